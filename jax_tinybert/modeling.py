@@ -1,0 +1,494 @@
+"""BERT in flax.linen with the outputs distillation needs.
+
+Module and parameter names follow Hugging Face's `modeling_flax_bert.py`, so HF weights load by
+renaming only (see `jax_tinybert.hf`). Every model returns a `BertOutput` holding all hidden
+states (index 0 = embedding output) and the raw attention scores Q K^T / sqrt(d_head) before the
+mask, softmax and dropout, which HF's `output_attentions` (post-softmax) cannot give.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Dtype = Any
+
+# HF activation names we implement exactly. "gelu" in HF BERT is the exact erf GELU.
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
+}
+
+
+class ConfigError(ValueError):
+    """A model config field has a value the model cannot use."""
+
+
+@dataclasses.dataclass
+class BertConfig:
+    """Hyper-parameters of a BERT model; round-trips Hugging Face's `config.json`.
+
+    Unknown keys of an HF config are kept in `extra` and written back unchanged.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    num_labels: int = 2
+    id2label: Optional[dict] = None
+    problem_type: Optional[str] = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self, source: str = "config") -> None:
+        """Raises ConfigError naming the field and the expected value."""
+        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{source}: field '{f}' must be a positive integer, got {v!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"{source}: field 'hidden_size' ({self.hidden_size}) must be divisible by "
+                f"'num_attention_heads' ({self.num_attention_heads}); e.g. use "
+                f"{self.num_attention_heads * max(1, self.hidden_size // self.num_attention_heads)}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ConfigError(
+                f"{source}: field 'hidden_act' is {self.hidden_act!r}; expected one of "
+                f"{sorted(_ACTIVATIONS)}")
+        if not isinstance(self.num_labels, int) or self.num_labels < 1:
+            raise ConfigError(f"{source}: field 'num_labels' must be >= 1 (1 = regression), "
+                              f"got {self.num_labels!r}")
+        for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            v = getattr(self, f)
+            if not 0.0 <= v < 1.0:
+                raise ConfigError(f"{source}: field '{f}' must be in [0, 1), got {v!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_regression(self) -> bool:
+        return self.num_labels == 1
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "BertConfig":
+        d = dict(d)
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kw = {k: d.pop(k) for k in list(d) if k in names}
+        if "id2label" in kw and kw["id2label"] is not None:
+            kw["id2label"] = {int(k): v for k, v in kw["id2label"].items()}
+            kw.setdefault("num_labels", len(kw["id2label"]))
+            if "num_labels" not in d and len(kw["id2label"]) != kw["num_labels"]:
+                kw["num_labels"] = len(kw["id2label"])
+        d.pop("label2id", None)
+        model_type = d.get("model_type", "bert")
+        if model_type not in ("bert",):
+            raise ConfigError(f"{source}: field 'model_type' is {model_type!r}; jax_tinybert "
+                              "loads BERT checkpoints only (model_type 'bert')")
+        obj = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in kw:
+                setattr(obj, f.name, kw[f.name])
+            elif f.default is not dataclasses.MISSING:
+                setattr(obj, f.name, f.default)
+            else:
+                setattr(obj, f.name, f.default_factory())
+        obj.extra = d
+        obj.validate(source)
+        return obj
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "BertConfig":
+        with open(path) as fh:
+            try:
+                d = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(d, source=path)
+
+    def to_dict(self) -> dict:
+        d = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            d[f.name] = getattr(self, f.name)
+        d["model_type"] = "bert"
+        if self.id2label is None:
+            d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+        else:
+            d["id2label"] = {str(k): v for k, v in self.id2label.items()}
+        d["label2id"] = {v: int(k) for k, v in d["id2label"].items()}
+        if d.get("problem_type") is None:
+            d.pop("problem_type", None)
+        return d
+
+    def to_json_file(self, path: str) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+
+    def replace(self, **kw) -> "BertConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@flax.struct.dataclass
+class BertOutput:
+    """What every model returns.
+
+    hidden_states: tuple of N+1 arrays [B, T, D]; index 0 is the embedding output (after LayerNorm).
+    attention_logits: tuple of N entries, [B, H, T, T] raw scores Q K^T / sqrt(d_head) before the
+      additive mask, softmax and dropout, or None for layers not asked for.
+    pooled: [B, D] tanh(dense(h_last[:, 0])), or None without a pooler.
+    logits: [B, C] for classification models (C = 1: regression), else None.
+    """
+
+    hidden_states: Tuple[Array, ...]
+    attention_logits: Tuple[Optional[Array], ...]
+    pooled: Optional[Array] = None
+    logits: Optional[Array] = None
+
+    @property
+    def last_hidden_state(self) -> Array:
+        return self.hidden_states[-1]
+
+
+def _dense_init(config: BertConfig):
+    return nn.initializers.normal(stddev=config.initializer_range)
+
+
+class BertEmbeddings(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool = True):
+        c = self.config
+        init = _dense_init(c)
+        word = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init, dtype=self.dtype,
+                        param_dtype=self.param_dtype, name="word_embeddings")(input_ids)
+        pos = nn.Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init,
+                       dtype=self.dtype, param_dtype=self.param_dtype,
+                       name="position_embeddings")(position_ids)
+        tok = nn.Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, dtype=self.dtype,
+                       param_dtype=self.param_dtype, name="token_type_embeddings")(token_type_ids)
+        h = word + pos + tok
+        h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype,
+                         name="LayerNorm")(h)
+        return nn.Dropout(rate=c.hidden_dropout_prob)(h, deterministic=deterministic)
+
+
+class BertSelfAttention(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h, mask_bias, deterministic: bool = True):
+        """h [B, T, D], mask_bias [B, 1, 1, T] additive -> (context [B, T, D], logits [B, H, T, T])."""
+        c = self.config
+        B, T, _ = h.shape
+        dense = lambda name: nn.Dense(c.hidden_size, kernel_init=_dense_init(c), dtype=self.dtype,
+                                      param_dtype=self.param_dtype, name=name)
+        split = lambda x: x.reshape(B, T, c.num_attention_heads, c.head_dim)
+        q, k, v = split(dense("query")(h)), split(dense("key")(h)), split(dense("value")(h))
+        # Scale q before the product: same math as scaling the scores, fewer multiplies.
+        q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        # Softmax in float32 even under bf16 compute: the -1e9 style mask and exp need the range.
+        probs = jax.nn.softmax(logits.astype(jnp.float32) + mask_bias, axis=-1)
+        if not deterministic and c.attention_probs_dropout_prob > 0:
+            probs = nn.Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
+        return ctx.reshape(B, T, c.hidden_size), logits
+
+
+class BertSelfOutput(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, residual, deterministic: bool = True):
+        c = self.config
+        x = nn.Dense(c.hidden_size, kernel_init=_dense_init(c), dtype=self.dtype,
+                     param_dtype=self.param_dtype, name="dense")(x)
+        x = nn.Dropout(rate=c.hidden_dropout_prob)(x, deterministic=deterministic)
+        return nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype,
+                            param_dtype=self.param_dtype, name="LayerNorm")(x + residual)
+
+
+class BertAttention(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h, mask_bias, deterministic: bool = True):
+        ctx, logits = BertSelfAttention(self.config, self.dtype, self.param_dtype, name="self")(
+            h, mask_bias, deterministic)
+        out = BertSelfOutput(self.config, self.dtype, self.param_dtype, name="output")(
+            ctx, h, deterministic)
+        return out, logits
+
+
+class BertLayer(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h, mask_bias, deterministic: bool = True):
+        """h [B, T, D] -> (h' [B, T, D], attention logits [B, H, T, T])."""
+        c = self.config
+        a, logits = BertAttention(c, self.dtype, self.param_dtype, name="attention")(
+            h, mask_bias, deterministic)
+        # Names as HF: intermediate/dense, then output/dense + output/LayerNorm.
+        inter = _Intermediate(c, self.dtype, self.param_dtype, name="intermediate")(a)
+        out = BertSelfOutput(c, self.dtype, self.param_dtype, name="output")(
+            inter, a, deterministic)
+        return out, logits
+
+
+class _Intermediate(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        x = nn.Dense(c.intermediate_size, kernel_init=_dense_init(c), dtype=self.dtype,
+                     param_dtype=self.param_dtype, name="dense")(x)
+        return _ACTIVATIONS[c.hidden_act](x)
+
+
+LayerSelection = Union[bool, Iterable[int], None]
+
+
+def _selected_layers(select: LayerSelection, n: int) -> frozenset:
+    """Normalise a request for attention logits to a set of 1-based layer indices."""
+    if select is True:
+        return frozenset(range(1, n + 1))
+    if select is None or select is False:
+        return frozenset()
+    sel = frozenset(int(i) for i in select)
+    bad = sorted(i for i in sel if not 1 <= i <= n)
+    if bad:
+        raise ValueError(f"attention logits asked for layers {bad}, but the model has layers "
+                         f"1..{n} (1-based; layer 0 is the embedding output and has none)")
+    return sel
+
+
+class BertLayerCollection(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, h, mask_bias, deterministic: bool = True,
+                 attention_layers: frozenset = frozenset()):
+        cls = nn.remat(BertLayer, static_argnums=(3,)) if self.remat else BertLayer
+        hidden, logits = [h], []
+        for i in range(self.config.num_hidden_layers):
+            h, lg = cls(self.config, self.dtype, self.param_dtype, name=str(i))(
+                h, mask_bias, deterministic)
+            hidden.append(h)
+            # Unrequested logits are dropped here; under jit XLA never materialises them.
+            logits.append(lg if (i + 1) in attention_layers else None)
+        return tuple(hidden), tuple(logits)
+
+
+class BertEncoder(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, h, mask_bias, deterministic=True, attention_layers=frozenset()):
+        return BertLayerCollection(self.config, self.dtype, self.param_dtype, self.remat,
+                                   name="layer")(h, mask_bias, deterministic, attention_layers)
+
+
+class BertPooler(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h):
+        x = nn.Dense(self.config.hidden_size, kernel_init=_dense_init(self.config),
+                     dtype=self.dtype, param_dtype=self.param_dtype, name="dense")(h[:, 0])
+        return jnp.tanh(x)
+
+
+def _default_inputs(input_ids, attention_mask, token_type_ids):
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    if token_type_ids is None:
+        token_type_ids = jnp.zeros_like(input_ids)
+    return attention_mask, token_type_ids
+
+
+class BertModel(nn.Module):
+    """The BERT encoder (+ pooler). Params match HF `FlaxBertModel` (no prefix).
+
+    Call: (input_ids [B, T] int, attention_mask [B, T] {0,1}, token_type_ids [B, T]) -> BertOutput.
+    `attention_logits`: True (all layers), False/None, or an iterable of 1-based layer indices.
+    `remat` recomputes each layer in the backward pass (less memory, ~1/3 more compute).
+    """
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    add_pooling_layer: bool = True
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                 deterministic: bool = True, attention_logits: LayerSelection = True):
+        attention_mask, token_type_ids = _default_inputs(input_ids, attention_mask, token_type_ids)
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
+        h = BertEmbeddings(self.config, self.dtype, self.param_dtype, name="embeddings")(
+            input_ids, token_type_ids, position_ids, deterministic)
+        # Same additive mask value as HF Flax (finfo.min); logits are returned before it.
+        mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0,
+                              jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        sel = _selected_layers(attention_logits, self.config.num_hidden_layers)
+        hidden, logits = BertEncoder(self.config, self.dtype, self.param_dtype, self.remat,
+                                     name="encoder")(h, mask_bias, deterministic, sel)
+        pooled = None
+        if self.add_pooling_layer:
+            pooled = BertPooler(self.config, self.dtype, self.param_dtype, name="pooler")(hidden[-1])
+        return BertOutput(hidden_states=hidden, attention_logits=logits, pooled=pooled)
+
+
+class BertForSequenceClassification(nn.Module):
+    """BERT + dropout + linear classifier on the pooled output. Params: `bert/...`, `classifier`.
+
+    num_labels = 1 is regression (logits [B, 1]). `head_relu=True` applies ReLU to the pooled
+    output before the classifier, as the official TinyBERT `TinyBertForSequenceClassification` does.
+    """
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat: bool = False
+    head_relu: bool = False
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                 deterministic: bool = True, attention_logits: LayerSelection = True):
+        out = BertModel(self.config, self.dtype, self.param_dtype, True, self.remat, name="bert")(
+            input_ids, attention_mask, token_type_ids, position_ids, deterministic,
+            attention_logits)
+        x = out.pooled
+        if self.head_relu:
+            x = jax.nn.relu(x)
+        x = nn.Dropout(rate=self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+        logits = nn.Dense(self.config.num_labels, kernel_init=_dense_init(self.config),
+                          dtype=self.dtype, param_dtype=self.param_dtype, name="classifier")(x)
+        return out.replace(logits=logits.astype(jnp.float32))
+
+
+class BertForMaskedLM(nn.Module):
+    """BERT + MLM head (decoder tied to the word embeddings). Params match HF `FlaxBertForMaskedLM`.
+
+    `logits` is [B, T, vocab]. Used by TinyBERT data augmentation.
+    """
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                 deterministic: bool = True, attention_logits: LayerSelection = False):
+        c = self.config
+        out = BertModel(c, self.dtype, self.param_dtype, False, name="bert")(
+            input_ids, attention_mask, token_type_ids, position_ids, deterministic,
+            attention_logits)
+        logits = _MLMHead(c, self.dtype, self.param_dtype, name="cls")(
+            out.hidden_states[-1],
+            self.variables["params"]["bert"]["embeddings"]["word_embeddings"]["embedding"])
+        return out.replace(logits=logits)
+
+
+class _MLMHead(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h, embedding):
+        return _MLMPredictions(self.config, self.dtype, self.param_dtype, name="predictions")(
+            h, embedding)
+
+
+class _MLMPredictions(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h, embedding):
+        c = self.config
+        t = _MLMTransform(c, self.dtype, self.param_dtype, name="transform")(h)
+        bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,), self.param_dtype)
+        return (t @ embedding.T.astype(t.dtype) + bias).astype(jnp.float32)
+
+
+class _MLMTransform(nn.Module):
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h):
+        c = self.config
+        h = nn.Dense(c.hidden_size, kernel_init=_dense_init(c), dtype=self.dtype,
+                     param_dtype=self.param_dtype, name="dense")(h)
+        h = _ACTIVATIONS[c.hidden_act](h)
+        return nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype,
+                            param_dtype=self.param_dtype, name="LayerNorm")(h)
+
+
+def init_params(model: nn.Module, rng: Array, seq_len: int = 8) -> dict:
+    """Random parameters (HF's init: N(0, initializer_range), zero bias, unit LayerNorm)."""
+    ids = jnp.zeros((1, seq_len), jnp.int32)
+    return model.init(rng, ids, jnp.ones_like(ids), jnp.zeros_like(ids))["params"]
+
+
+def count_params(params) -> int:
+    """Number of scalars in a parameter tree."""
+    return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
