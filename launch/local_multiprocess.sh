@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# Start N processes of `python -m jax_tinybert.main` on this machine, each with D CPU devices,
+# joined by jax.distributed (gloo collectives) into one N*D-device job. This is how multi-host
+# code is exercised without a pod (see docs/scaling.md and DESIGN.md section 6).
+set -euo pipefail
+
+usage() {
+  cat <<'USAGE'
+Usage: launch/local_multiprocess.sh [options] -- [program args...]
+
+Runs N processes of `$PYTHON -m jax_tinybert.main <program args>` on localhost. Each process gets
+  JTB_COORDINATOR=127.0.0.1:<free port>  JTB_NUM_PROCESSES=N  JTB_PROCESS_ID=i  JTB_CPU_DEVICES=D
+  JAX_PLATFORMS=cpu (unless already set)
+and jax_tinybert.sharding.maybe_initialize_distributed() turns them into a jax.distributed job
+with N*D global CPU devices and gloo collectives.
+
+Options:
+  -n, --num-processes N   number of processes (default 2)
+  -d, --devices D         CPU devices per process (default 4)
+  -p, --port P            coordinator port (default: a free port chosen now)
+  -t, --timeout SECS      kill everything and exit 124 after SECS seconds (default 0 = none)
+  -l, --log-dir DIR       per-process logs DIR/process_<i>.log
+                          (default: <workdir>/logs if --workdir=... is given, else a new temp dir)
+  -m, --module MOD        Python module to run (default jax_tinybert.main)
+  -q, --quiet             do not echo process 0's log to the console
+      --dry-run           print the commands and exit
+  -h, --help              this help
+
+Environment:
+  PYTHON   interpreter (default: .venv/bin/python of the repo if it exists, else python3)
+  MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ default to the values that
+           stop glibc from unmapping XLA's per-step temporaries (DESIGN.md section 7).
+
+Process 0's log is also shown on the console. The script waits for all processes; as soon as
+one fails it kills the others, names the failed process and its log, and exits with its code.
+
+Example:
+  launch/local_multiprocess.sh -n 2 -d 4 -- --config=configs/demo.py --workdir=runs/mp
+USAGE
+}
+
+die() { echo "local_multiprocess.sh: $*" >&2; exit 2; }
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_DIR="$(dirname "$SCRIPT_DIR")"
+
+NUM_PROCESSES=2
+DEVICES=4
+PORT=""
+TIMEOUT=0
+LOG_DIR=""
+MODULE="jax_tinybert.main"
+QUIET=0
+DRY_RUN=0
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -n|--num-processes) [[ $# -ge 2 ]] || die "$1 needs a value"; NUM_PROCESSES="$2"; shift 2 ;;
+    --num-processes=*) NUM_PROCESSES="${1#*=}"; shift ;;
+    -d|--devices) [[ $# -ge 2 ]] || die "$1 needs a value"; DEVICES="$2"; shift 2 ;;
+    --devices=*) DEVICES="${1#*=}"; shift ;;
+    -p|--port) [[ $# -ge 2 ]] || die "$1 needs a value"; PORT="$2"; shift 2 ;;
+    --port=*) PORT="${1#*=}"; shift ;;
+    -t|--timeout) [[ $# -ge 2 ]] || die "$1 needs a value"; TIMEOUT="$2"; shift 2 ;;
+    --timeout=*) TIMEOUT="${1#*=}"; shift ;;
+    -l|--log-dir) [[ $# -ge 2 ]] || die "$1 needs a value"; LOG_DIR="$2"; shift 2 ;;
+    --log-dir=*) LOG_DIR="${1#*=}"; shift ;;
+    -m|--module) [[ $# -ge 2 ]] || die "$1 needs a value"; MODULE="$2"; shift 2 ;;
+    --module=*) MODULE="${1#*=}"; shift ;;
+    -q|--quiet) QUIET=1; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; break ;;
+    *) die "unknown option '$1' (program arguments go after --; see --help)" ;;
+  esac
+done
+PROGRAM_ARGS=("$@")
+
+[[ "$NUM_PROCESSES" =~ ^[1-9][0-9]*$ ]] || die "--num-processes must be a positive integer, got '$NUM_PROCESSES'"
+[[ "$DEVICES" =~ ^[1-9][0-9]*$ ]] || die "--devices must be a positive integer, got '$DEVICES'"
+[[ "$TIMEOUT" =~ ^[0-9]+$ ]] || die "--timeout must be a whole number of seconds, got '$TIMEOUT'"
+[[ -z "$PORT" || "$PORT" =~ ^[0-9]+$ ]] || die "--port must be a number, got '$PORT'"
+
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$REPO_DIR/.venv/bin/python" ]]; then
+    PYTHON="$REPO_DIR/.venv/bin/python"
+  else
+    PYTHON="python3"
+  fi
+fi
+
+if [[ -z "$PORT" ]]; then
+  if [[ "$DRY_RUN" -eq 1 ]]; then
+    PORT="<free-port>"
+  else
+    PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')" \
+      || die "could not pick a free port with $PYTHON"
+  fi
+fi
+
+if [[ -z "$LOG_DIR" ]]; then
+  for arg in "${PROGRAM_ARGS[@]+"${PROGRAM_ARGS[@]}"}"; do
+    case "$arg" in --workdir=*) LOG_DIR="${arg#--workdir=}/logs" ;; esac
+  done
+fi
+if [[ -z "$LOG_DIR" ]]; then
+  if [[ "$DRY_RUN" -eq 1 ]]; then
+    LOG_DIR="<temp-dir>"
+  else
+    LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/jtb-local-XXXXXX")"
+  fi
+fi
+
+export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-1}"
+export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-17179869184}"
+export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-17179869184}"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+
+quote() {  # print arguments shell-quoted, readable when nothing needs quoting
+  local out="" a
+  for a in "$@"; do
+    if [[ "$a" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then out+="$a "; else out+="'${a//\'/\'\\\'\'}' "; fi
+  done
+  printf '%s\n' "${out% }"
+}
+
+PIDS=()
+TAIL_PID=""
+
+kill_all() {  # kill_all SIGNAL: signal every still-running process, escalate to KILL after 5 s
+  local sig="$1" pid i
+  for pid in "${PIDS[@]+"${PIDS[@]}"}"; do
+    if kill -0 "$pid" 2>/dev/null; then kill "-$sig" "$pid" 2>/dev/null || true; fi
+  done
+  for ((i = 0; i < 50; i++)); do
+    local alive=0
+    for pid in "${PIDS[@]+"${PIDS[@]}"}"; do
+      if kill -0 "$pid" 2>/dev/null; then alive=1; fi
+    done
+    if [[ "$alive" -eq 0 ]]; then return 0; fi
+    sleep 0.1
+  done
+  for pid in "${PIDS[@]+"${PIDS[@]}"}"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+
+stop_tail() {
+  if [[ -n "$TAIL_PID" ]]; then
+    sleep 0.2  # let tail flush the last lines
+    kill "$TAIL_PID" 2>/dev/null || true
+    wait "$TAIL_PID" 2>/dev/null || true
+    TAIL_PID=""
+  fi
+}
+
+on_signal() {
+  echo "local_multiprocess.sh: interrupted, stopping all processes" >&2
+  kill_all TERM
+  stop_tail
+  exit 130
+}
+
+echo "local_multiprocess.sh: $NUM_PROCESSES processes x $DEVICES CPU devices, coordinator 127.0.0.1:$PORT, logs in $LOG_DIR" >&2
+if [[ "$DRY_RUN" -eq 0 ]]; then
+  mkdir -p "$LOG_DIR"
+  trap on_signal INT TERM
+fi
+
+for ((i = 0; i < NUM_PROCESSES; i++)); do
+  log="$LOG_DIR/process_$i.log"
+  cmd=(env "JTB_COORDINATOR=127.0.0.1:$PORT" "JTB_NUM_PROCESSES=$NUM_PROCESSES" "JTB_PROCESS_ID=$i"
+       "JTB_CPU_DEVICES=$DEVICES" "$PYTHON" -m "$MODULE" "${PROGRAM_ARGS[@]+"${PROGRAM_ARGS[@]}"}")
+  echo "+ $(quote "${cmd[@]}") > $(quote "$log") 2>&1" >&2
+  if [[ "$DRY_RUN" -eq 0 ]]; then
+    "${cmd[@]}" > "$log" 2>&1 < /dev/null &
+    PIDS+=("$!")
+  fi
+done
+if [[ "$DRY_RUN" -eq 1 ]]; then exit 0; fi
+
+if [[ "$QUIET" -eq 0 ]]; then
+  tail -n +1 -f "$LOG_DIR/process_0.log" &
+  TAIL_PID=$!
+fi
+
+START=$SECONDS
+REMAINING=$NUM_PROCESSES
+FINISHED=()
+for ((i = 0; i < NUM_PROCESSES; i++)); do FINISHED+=(0); done
+
+while [[ "$REMAINING" -gt 0 ]]; do
+  for ((i = 0; i < NUM_PROCESSES; i++)); do
+    if [[ "${FINISHED[$i]}" -eq 1 ]]; then continue; fi
+    pid="${PIDS[$i]}"
+    if ! kill -0 "$pid" 2>/dev/null; then
+      rc=0
+      wait "$pid" || rc=$?
+      FINISHED[i]=1
+      REMAINING=$((REMAINING - 1))
+      if [[ "$rc" -ne 0 ]]; then
+        kill_all TERM
+        stop_tail
+        log="$LOG_DIR/process_$i.log"
+        {
+          echo "local_multiprocess.sh: process $i (pid $pid) failed with exit code $rc; log: $log"
+          echo "----- last lines of $log -----"
+          tail -n 30 "$log" || true
+          echo "-----"
+          echo "local_multiprocess.sh: stopped the other processes; all logs in $LOG_DIR"
+        } >&2
+        exit "$rc"
+      fi
+    fi
+  done
+  if [[ "$TIMEOUT" -gt 0 && $((SECONDS - START)) -ge "$TIMEOUT" ]]; then
+    kill_all TERM
+    stop_tail
+    echo "local_multiprocess.sh: timeout after ${TIMEOUT}s; killed all processes; logs in $LOG_DIR" >&2
+    exit 124
+  fi
+  if [[ "$REMAINING" -gt 0 ]]; then sleep 0.2; fi
+done
+
+stop_tail
+echo "local_multiprocess.sh: all $NUM_PROCESSES processes finished successfully; logs in $LOG_DIR" >&2
