@@ -1,0 +1,191 @@
+"""Length-bucketed, per-process sharded, exactly resumable batches (docs/CONTRACTS.md format).
+
+The whole epoch plan (which examples form which global batch, at which bucket length) is a pure
+function of (dataset lengths, seed, epoch), so every process computes the same plan without
+communicating and then reads only its own rows of each global batch: process p takes rows
+[p*b, (p+1)*b) of every global batch of size P*b. Shards are disjoint and together cover the
+global batch. Resuming needs only (epoch, step).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+DEFAULT_BUCKETS = (32, 64, 128)
+
+
+def assign_buckets(lengths: np.ndarray, buckets: Sequence[int]) -> np.ndarray:
+    """Index of the smallest bucket >= each length. int64 [n]. Raises if one does not fit."""
+    b = np.asarray(sorted(buckets))
+    lengths = np.asarray(lengths)
+    which = np.searchsorted(b, lengths, side="left")
+    if len(lengths) and which.max() >= len(b):
+        i = int(np.argmax(which >= len(b)))
+        raise ValueError(f"example {i} has {int(lengths[i])} tokens, more than the largest bucket "
+                         f"{int(b[-1])}; tokenize with max_len <= {int(b[-1])} or add a bucket")
+    return which
+
+
+def padding_waste(lengths: np.ndarray, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                  fixed_len: Optional[int] = None) -> Dict[str, float]:
+    """Padding waste of bucketing vs one fixed length (default: the largest bucket).
+
+    Returns `bucketed` / `fixed` (fraction of processed positions that are padding) and
+    `ratio` = positions processed with buckets / positions processed at fixed_len (< 1 = saving).
+    Filler rows of incomplete batches are not counted.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    b = np.asarray(sorted(buckets))
+    fixed_len = int(fixed_len or b[-1])
+    padded = b[assign_buckets(lengths, b)]
+    real = lengths.sum()
+    return {"bucketed": float(1 - real / padded.sum()),
+            "fixed": float(1 - real / (fixed_len * len(lengths))),
+            "ratio": float(padded.sum() / (fixed_len * len(lengths)))}
+
+
+def _process_defaults(process_index, process_count):
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    return int(process_index), int(process_count)
+
+
+@dataclasses.dataclass
+class _Plan:
+    seq_lens: np.ndarray  # int32 [steps]
+    rows: np.ndarray      # int64 [steps, global_batch]; -1 = filler
+
+
+class BucketedBatcher:
+    """Iterator over per-process batches of a dataset with `lengths` and `gather(idx, T)`.
+
+    Args:
+      dataset: e.g. `tokenize.EncodedDataset` (GLUE) or a packed corpus.
+      global_batch_size: rows per step summed over all processes (divisible by process_count).
+      buckets: allowed sequence lengths T; each example goes to the smallest that fits and
+        batches never mix buckets, so the step compiles once per bucket.
+      train: True -> shuffle by (seed, epoch), repeat for `num_epochs` (None = forever), drop
+        each bucket's incomplete last batch unless drop_remainder=False. False (eval) -> dataset
+        order, one pass, incomplete batches filled with filler rows (`valid` 0, `example_id` -1,
+        a copy of a real row so no row is all padding).
+    Yields dicts: input_ids/attention_mask/token_type_ids int32 [b, T], labels [b] if the dataset
+    has labels, example_id int64 [b], valid float32 [b]; b = global_batch_size / process_count.
+    """
+
+    def __init__(self, dataset, global_batch_size: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 *, train: bool = True, seed: int = 0, drop_remainder: Optional[bool] = None,
+                 num_epochs: Optional[int] = None, process_index: Optional[int] = None,
+                 process_count: Optional[int] = None):
+        self.dataset = dataset
+        self.buckets = tuple(sorted(int(b) for b in buckets))
+        self.global_batch_size = int(global_batch_size)
+        self.train = bool(train)
+        self.seed = int(seed)
+        self.drop_remainder = self.train if drop_remainder is None else bool(drop_remainder)
+        self.num_epochs = num_epochs if train else (1 if num_epochs is None else num_epochs)
+        self.process_index, self.process_count = _process_defaults(process_index, process_count)
+        if self.global_batch_size % self.process_count:
+            raise ValueError(f"global batch {self.global_batch_size} not divisible by "
+                             f"{self.process_count} processes")
+        if not 0 <= self.process_index < self.process_count:
+            raise ValueError(f"process_index {self.process_index} not in [0, {self.process_count})")
+        self.local_batch_size = self.global_batch_size // self.process_count
+        self.lengths = np.asarray(dataset.lengths)
+        self._bucket = assign_buckets(self.lengths, self.buckets)
+        self._members = [np.flatnonzero(self._bucket == k) for k in range(len(self.buckets))]
+        self.epoch = 0
+        self.step = 0
+        self._plan_epoch = None
+        self._plan: Optional[_Plan] = None
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"dataset of {len(self.lengths)} examples gives no full batch of "
+                             f"{self.global_batch_size}; use drop_remainder=False or a smaller batch")
+
+    # -- planning ---------------------------------------------------------------------------
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global steps in one epoch (the same on every process and every epoch)."""
+        g = self.global_batch_size
+        f = (lambda n: n // g) if self.drop_remainder else (lambda n: -(-n // g))
+        return int(sum(f(len(m)) for m in self._members))
+
+    def epoch_plan(self, epoch: int) -> _Plan:
+        """The global plan of one epoch: bucket length and example rows of every step."""
+        if self._plan_epoch == epoch and self._plan is not None:
+            return self._plan
+        g = self.global_batch_size
+        rng = np.random.default_rng([self.seed, epoch]) if self.train else None
+        lens, rows = [], []
+        for k, members in enumerate(self._members):
+            idx = rng.permutation(members) if rng is not None else members
+            n_full = len(idx) // g
+            for s in range(n_full):
+                rows.append(idx[s * g:(s + 1) * g])
+                lens.append(self.buckets[k])
+            rest = len(idx) - n_full * g
+            if rest and not self.drop_remainder:
+                rows.append(np.concatenate([idx[n_full * g:], np.full(g - rest, -1, np.int64)]))
+                lens.append(self.buckets[k])
+        seq_lens = np.asarray(lens, np.int32)
+        rows = np.stack(rows).astype(np.int64) if rows else np.zeros((0, g), np.int64)
+        if rng is not None:
+            order = rng.permutation(len(rows))
+            seq_lens, rows = seq_lens[order], rows[order]
+        self._plan_epoch, self._plan = epoch, _Plan(seq_lens, rows)
+        return self._plan
+
+    def batch_at(self, epoch: int, step: int) -> Dict[str, np.ndarray]:
+        """This process's batch for global step `step` of `epoch`."""
+        plan = self.epoch_plan(epoch)
+        rows = plan.rows[step]
+        b = self.local_batch_size
+        local = rows[self.process_index * b:(self.process_index + 1) * b]
+        valid = local >= 0
+        filler_src = rows[rows >= 0][0]
+        idx = np.where(valid, local, filler_src)
+        batch = self.dataset.gather(idx, int(plan.seq_lens[step]))
+        batch["example_id"] = np.where(valid, local, -1).astype(np.int64)
+        batch["valid"] = valid.astype(np.float32)
+        return batch
+
+    # -- iteration / resume -----------------------------------------------------------------
+    def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> Dict[str, np.ndarray]:
+        if self.step >= self.steps_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            raise StopIteration
+        batch = self.batch_at(self.epoch, self.step)
+        self.step += 1
+        return batch
+
+    def __len__(self) -> int:
+        if self.num_epochs is None:
+            raise TypeError("infinite iterator (num_epochs=None) has no len()")
+        return self.steps_per_epoch * self.num_epochs
+
+    def reset(self) -> None:
+        """Back to the start (epoch 0, step 0); for repeated eval passes."""
+        self.epoch, self.step = 0, 0
+
+    def state_dict(self) -> Dict[str, int]:
+        """Position to resume from: the next batch is step `step` of epoch `epoch`."""
+        return {"epoch": int(self.epoch), "step": int(self.step), "seed": self.seed,
+                "num_examples": int(len(self.lengths)),
+                "global_batch_size": self.global_batch_size,
+                "steps_per_epoch": int(self.steps_per_epoch)}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Restores a `state_dict()`; the next batch is the one that would have come next."""
+        for k in ("seed", "num_examples", "global_batch_size"):
+            mine = self.state_dict()[k]
+            if k in state and int(state[k]) != mine:
+                raise ValueError(f"cannot resume: saved {k}={state[k]} but this iterator has {mine}")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])

@@ -1,0 +1,235 @@
+"""Tokenization of GLUE examples into a compact ragged dataset, with an on-disk npz cache.
+
+Pieces are produced by an HF fast tokenizer in batches (Rust, multi-threaded); [CLS]/[SEP]
+assembly and longest-first truncation happen here, so the number of truncated sequences is
+known exactly (the official `_truncate_seq_pair` rule: pop from the longer side, from b on ties).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from jax_tinybert.data import glue
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+
+
+def load_tokenizer(path_or_name: str):
+    """`transformers.AutoTokenizer.from_pretrained(path_or_name)`, requiring a fast tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path_or_name, use_fast=True)
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(f"{path_or_name}: need a fast (Rust) tokenizer; got {type(tok).__name__}")
+    return tok
+
+
+@dataclasses.dataclass
+class EncodedDataset:
+    """Ragged token ids. Example i is `input_ids[offsets[i]:offsets[i+1]]` (with [CLS]/[SEP]).
+
+    `labels`: int32 [n] / float32 [n] / None. Arrays may be numpy memmaps (corpus on disk).
+    """
+
+    input_ids: np.ndarray        # int32 [total_tokens]
+    token_type_ids: np.ndarray   # int8 [total_tokens]
+    offsets: np.ndarray          # int64 [n + 1]
+    labels: Optional[np.ndarray] = None
+    pad_id: int = 0
+    num_truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 [n] token counts."""
+        return np.diff(self.offsets)
+
+    def gather(self, indices: np.ndarray, seq_len: int) -> Dict[str, np.ndarray]:
+        """Rows `indices` padded to seq_len -> input_ids/attention_mask/token_type_ids [b, T]
+        int32 and `labels` [b] when present."""
+        b = len(indices)
+        ids = np.full((b, seq_len), self.pad_id, np.int32)
+        tt = np.zeros((b, seq_len), np.int32)
+        mask = np.zeros((b, seq_len), np.int32)
+        for r, i in enumerate(indices):
+            s, e = int(self.offsets[i]), int(self.offsets[i + 1])
+            n = e - s
+            if n > seq_len:
+                raise ValueError(f"example {i} has {n} tokens > bucket length {seq_len}")
+            ids[r, :n] = self.input_ids[s:e]
+            tt[r, :n] = self.token_type_ids[s:e]
+            mask[r, :n] = 1
+        out = {"input_ids": ids, "attention_mask": mask, "token_type_ids": tt}
+        if self.labels is not None:
+            out["labels"] = self.labels[np.asarray(indices)]
+        return out
+
+    def save_npz(self, path: str) -> None:
+        """Atomic write (temp file in the same folder, then os.replace)."""
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=d)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                arrays = dict(input_ids=self.input_ids, token_type_ids=self.token_type_ids,
+                              offsets=self.offsets, pad_id=np.int64(self.pad_id),
+                              num_truncated=np.int64(self.num_truncated))
+                if self.labels is not None:
+                    arrays["labels"] = self.labels
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load_npz(cls, path: str) -> "EncodedDataset":
+        with np.load(path) as z:
+            return cls(z["input_ids"], z["token_type_ids"], z["offsets"],
+                       z["labels"] if "labels" in z.files else None, int(z["pad_id"]),
+                       int(z["num_truncated"]))
+
+
+def truncate_pair(a: List[int], b: Optional[List[int]], max_tokens: int):
+    """Longest-first truncation to a total of max_tokens pieces. Returns (a, b, truncated)."""
+    la, lb = len(a), (len(b) if b is not None else 0)
+    if la + lb <= max_tokens:
+        return a, b, False
+    if b is None:
+        return a[:max_tokens], None, True
+    # Closed form of "pop from the longer (b on ties) until it fits".
+    while la + lb > max_tokens:
+        if la > lb:
+            la -= 1
+        else:
+            lb -= 1
+    return a[:la], b[:lb], True
+
+
+def encode_texts(tokenizer, texts_a: Sequence[str], texts_b: Optional[Sequence[Optional[str]]],
+                 max_len: int, labels=None, batch_size: int = 4096) -> EncodedDataset:
+    """Tokenizes (pairs of) texts in batches into `[CLS] a [SEP] (b [SEP])`, truncated to
+    max_len tokens longest-first. Logs how many were truncated."""
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    if cls_id is None or sep_id is None:
+        raise ValueError("tokenizer has no [CLS]/[SEP] tokens; BERT-style tokenizers only")
+    pad_id = tokenizer.pad_token_id or 0
+    n = len(texts_a)
+    pair = texts_b is not None and any(t is not None for t in texts_b)
+    ids_parts, tt_parts, lens = [], [], np.zeros(n, np.int64)
+    truncated = 0
+    for s in range(0, n, batch_size):
+        ea = tokenizer(list(texts_a[s:s + batch_size]), add_special_tokens=False,
+                       return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+        eb = (tokenizer(list(texts_b[s:s + batch_size]), add_special_tokens=False,
+                        return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+              if pair else [None] * len(ea))
+        for j, (a, b) in enumerate(zip(ea, eb)):
+            a, b, cut = truncate_pair(a, b, max_len - (3 if b is not None else 2))
+            truncated += cut
+            seq = [cls_id] + a + [sep_id]
+            tt = [0] * len(seq)
+            if b is not None:
+                seq += b + [sep_id]
+                tt += [1] * (len(b) + 1)
+            ids_parts.append(np.asarray(seq, np.int32))
+            tt_parts.append(np.asarray(tt, np.int8))
+            lens[s + j] = len(seq)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if truncated:
+        log.info("truncated %d of %d sequences to max_len=%d", truncated, n, max_len)
+    lab = None
+    if labels is not None:
+        lab = np.asarray(labels)
+    return EncodedDataset(
+        np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
+        np.concatenate(tt_parts) if tt_parts else np.zeros(0, np.int8),
+        offsets, lab, pad_id, truncated)
+
+
+def encode_examples(tokenizer, spec, examples: Sequence[glue.Example], max_len: int
+                    ) -> EncodedDataset:
+    """GLUE examples -> EncodedDataset; labels int32 (classification) or float32 (regression)."""
+    spec = glue.get_task(spec)
+    labels = None
+    if examples and examples[0].label is not None:
+        labels = np.asarray([e.label for e in examples],
+                            np.float32 if spec.is_regression else np.int32)
+    return encode_texts(tokenizer, [e.text_a for e in examples],
+                        [e.text_b for e in examples] if spec.is_pair else None, max_len, labels)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's full definition (vocab, normalizer, special tokens)."""
+    h = hashlib.sha256()
+    h.update(tokenizer.backend_tokenizer.to_str().encode("utf-8"))
+    h.update(repr(sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
+    return h.hexdigest()
+
+
+def file_fingerprint(path: str) -> str:
+    """sha256 of the file bytes (GLUE files are small; content is safer than mtime)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_key(tokenizer, data_path: str, max_len: int, task: str, extra: str = "") -> str:
+    h = hashlib.sha256()
+    for part in (f"v{CACHE_VERSION}", tokenizer_fingerprint(tokenizer), file_fingerprint(data_path),
+                 str(max_len), task, extra):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def load_glue_encoded(task, split: str, tokenizer, max_len: int, *, glue_dir: Optional[str] = None,
+                      path: Optional[str] = None, cache_dir: Optional[str] = None,
+                      skip_bad_rows: bool = False, source: str = "tsv") -> EncodedDataset:
+    """Reads + tokenizes a GLUE TSV split, through an npz cache in `cache_dir` when given.
+
+    The cache file name is a hash of the tokenizer definition, the data file bytes, max_len and
+    the task, so any change re-tokenizes. Non-TSV sources are not cached.
+    """
+    spec = glue.get_task(task)
+    if source != "tsv":
+        return encode_examples(tokenizer, spec, glue.load_examples(spec, split, source=source),
+                               max_len)
+    if path is None:
+        if glue_dir is None:
+            raise ValueError("need glue_dir or path")
+        path = glue.tsv_path(glue_dir, spec, split)
+    if not os.path.isfile(path):
+        raise glue.DataError(f"{spec.dir_name} {split}: file not found: {path}")
+    cache_path = None
+    if cache_dir:
+        key = cache_key(tokenizer, path, max_len, spec.name, f"skip={skip_bad_rows}")
+        cache_path = os.path.join(cache_dir, f"{spec.name}-{split}-{max_len}-{key}.npz")
+        if os.path.exists(cache_path):
+            try:
+                ds = EncodedDataset.load_npz(cache_path)
+                log.info("loaded tokenized %s %s from %s", spec.dir_name, split, cache_path)
+                return ds
+            except Exception as e:  # a torn/corrupt file: rebuild it
+                log.warning("ignoring unreadable cache %s: %s", cache_path, e)
+    ex = glue.load_examples(spec, split, path=path, skip_bad_rows=skip_bad_rows)
+    ds = encode_examples(tokenizer, spec, ex, max_len)
+    log.info("%s %s: %d examples, %d truncated to %d tokens", spec.dir_name, split, len(ds),
+             ds.num_truncated, max_len)
+    if cache_path:
+        ds.save_npz(cache_path)
+    return ds
