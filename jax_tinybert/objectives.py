@@ -1,0 +1,352 @@
+"""Named objectives: a stage names one of these plus its cfg (docs/CONTRACTS.md, DESIGN.md 5).
+
+    obj = make_objective("tinybert_intermediate", {"mode": "masked"}, student_config, teacher_config)
+    proj = obj.init_projection(rng)                 # {} when the objective has no projection
+    loss, terms = obj(proj, s_out, t_out, batch)    # pure; t_out may be None for cached stages
+
+Objectives:
+- tinybert_intermediate: w_embd L_embd + sum_m lambda_m (w_attn L_attn^m + w_hidn L_hidn^m).
+- tinybert_pred: w_pred soft CE to the teacher at temperature T (MSE to the teacher for
+  regression; regression_target="gold" reproduces the official STS-B bug, tinybert mode only).
+- pkd: (1 - alpha) CE + alpha KD + beta PT, PT on [CLS] of the mapped student layers.
+- kd: Hinton, (1 - alpha) CE + alpha KD (regression: MSE to gold and to the teacher).
+- finetune: CE (MSE for regression) on gold labels; no teacher.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_tinybert import layer_maps as lm
+from jax_tinybert import losses as L
+
+Array = jax.Array
+
+OBJECTIVES = ("tinybert_intermediate", "tinybert_pred", "pkd", "kd", "finetune")
+
+# Every key a stage's objective cfg may hold. A key an objective does not use is ignored, so a
+# config can share one block across stages; a misspelt key is an error.
+CFG_KEYS = {
+    "mode": "'masked' (padding never counts) or 'tinybert' (official reductions)",
+    "temperature": "softmax temperature of the soft-label terms",
+    "alpha": "pkd/kd: weight of the KD term; the hard-label term gets 1 - alpha",
+    "beta": "pkd: weight of the patience term",
+    "t2": "multiply soft-label terms by temperature^2",
+    "layer_map": f"one of {lm.NAMES} or explicit (student, teacher) pairs",
+    "projection": "'shared' (one fit_dense, as official), 'per_layer' or 'none'",
+    "w_embd": "tinybert_intermediate: weight of the embedding term",
+    "w_attn": "tinybert_intermediate: weight of the attention terms",
+    "w_hidn": "tinybert_intermediate: weight of the hidden-state terms",
+    "w_pred": "tinybert_pred: weight of the prediction term",
+    "normalize_patience": "pkd: L2-normalise [CLS] vectors before the patience MSE",
+    "layer_weights": "tinybert_intermediate: lambda_m per student layer 0..M (default all 1)",
+    "regression_target": "tinybert_pred on regression: 'teacher' (clean) or 'gold' (official "
+                         "STS-B bug, tinybert mode only)",
+}
+
+_COMMON = {"mode": "masked", "temperature": 1.0, "alpha": 0.5, "beta": 0.0, "t2": False,
+           "layer_map": "uniform", "projection": "shared", "w_embd": 1.0, "w_attn": 1.0,
+           "w_hidn": 1.0, "w_pred": 1.0, "normalize_patience": True, "layer_weights": None,
+           "regression_target": "teacher"}
+DEFAULTS = {
+    "tinybert_intermediate": dict(_COMMON),
+    "tinybert_pred": dict(_COMMON),
+    # PKD's published recipe: T 10, alpha 0.7, beta 500 (scaled for the mean over B*K*D).
+    "pkd": dict(_COMMON, temperature=10.0, alpha=0.7, beta=500.0, t2=True,
+                layer_map="pkd_skip", projection="none"),
+    "kd": dict(_COMMON, temperature=2.0, alpha=0.5, t2=True),
+    "finetune": dict(_COMMON),
+}
+PROJECTIONS = ("shared", "per_layer", "none")
+
+
+def _as_dict(cfg: Any) -> dict:
+    if cfg is None:
+        return {}
+    if hasattr(cfg, "to_dict"):  # ml_collections.ConfigDict / FrozenConfigDict
+        return dict(cfg.to_dict())
+    return dict(cfg)
+
+
+def _resolve_cfg(name: str, cfg: Any) -> dict:
+    cfg = _as_dict(cfg)
+    unknown = sorted(set(cfg) - set(CFG_KEYS))
+    if unknown:
+        valid = "\n".join(f"  {k}: {v}" for k, v in CFG_KEYS.items())
+        raise ValueError(f"objective '{name}': unknown cfg key(s) {unknown}; valid keys:\n{valid}")
+    out = dict(DEFAULTS[name])
+    out.update({k: v for k, v in cfg.items() if v is not None or k == "layer_weights"})
+    L.check_mode(out["mode"])
+    if out["projection"] not in PROJECTIONS:
+        raise ValueError(f"objective '{name}': cfg projection={out['projection']!r}; expected "
+                         f"one of {PROJECTIONS}")
+    if not float(out["temperature"]) > 0:
+        raise ValueError(f"objective '{name}': cfg temperature must be > 0, "
+                         f"got {out['temperature']!r}")
+    if not 0.0 <= float(out["alpha"]) <= 1.0:
+        raise ValueError(f"objective '{name}': cfg alpha must be in [0, 1], got {out['alpha']!r}")
+    if out["regression_target"] not in ("teacher", "gold"):
+        raise ValueError(f"objective '{name}': cfg regression_target must be 'teacher' or 'gold', "
+                         f"got {out['regression_target']!r}")
+    for k in ("temperature", "alpha", "beta", "w_embd", "w_attn", "w_hidn", "w_pred"):
+        out[k] = float(out[k])
+    out["t2"] = bool(out["t2"])
+    out["normalize_patience"] = bool(out["normalize_patience"])
+    return out
+
+
+class Objective:
+    """A configured objective; call it as obj(proj, s_out, t_out, batch) -> (loss, terms).
+
+    Attributes: name, cfg (resolved, defaults filled in), layer_map (or None),
+    student_attention_layers / teacher_attention_layers (1-based layers whose attention logits
+    the models must return), teacher_cls_layers (teacher layers whose [CLS] vectors PKD reads,
+    in the order of batch["teacher_cls"]), needs_teacher, teacher_cacheable.
+    """
+
+    def __init__(self, name: str, cfg: Any, student_config, teacher_config=None):
+        if name not in OBJECTIVES:
+            raise ValueError(f"unknown objective {name!r}; expected one of {OBJECTIVES}")
+        self.name = name
+        self.cfg = _resolve_cfg(name, cfg)
+        self.mode = self.cfg["mode"]
+        self.student_config = student_config
+        self.teacher_config = teacher_config
+        self.layer_map: Optional[lm.LayerMap] = None
+        self.student_attention_layers: Tuple[int, ...] = ()
+        self.teacher_attention_layers: Tuple[int, ...] = ()
+        self.teacher_cls_layers: Tuple[int, ...] = ()
+        self._attn_pairs: Tuple[Tuple[int, int], ...] = ()
+        self._hidden_pairs: Tuple[Tuple[int, int], ...] = ()
+        self._proj_layers: Tuple[int, ...] = ()
+        self.is_regression = student_config.num_labels == 1
+        self.needs_teacher = name != "finetune"
+        self.teacher_cacheable = name in ("tinybert_pred", "pkd", "kd")
+        if self.needs_teacher and teacher_config is None:
+            raise ValueError(f"objective '{name}' needs teacher_config (the teacher's BertConfig)")
+        if name in ("tinybert_pred", "pkd", "kd"):
+            if teacher_config.num_labels != student_config.num_labels:
+                raise ValueError(
+                    f"objective '{name}': student num_labels={student_config.num_labels} != "
+                    f"teacher num_labels={teacher_config.num_labels}; both heads must predict "
+                    "the same labels")
+        if name == "tinybert_pred" and self.is_regression and \
+                self.cfg["regression_target"] == "gold":
+            if self.mode != "tinybert":
+                raise ValueError("regression_target='gold' reproduces the official STS-B bug "
+                                 "(the prediction stage fits the gold score, not the teacher); "
+                                 "it is only offered with mode='tinybert'")
+            self.needs_teacher = False
+            self.teacher_cacheable = False
+        if name == "tinybert_intermediate":
+            self._setup_intermediate()
+        elif name == "pkd":
+            self._setup_pkd()
+
+    # ------------------------------------------------------------------ setup
+    def _map(self) -> lm.LayerMap:
+        spec = self.cfg["layer_map"]
+        if hasattr(spec, "to_dict"):
+            spec = spec.to_dict()
+        return lm.from_spec(spec, self.student_config.num_hidden_layers,
+                            self.teacher_config.num_hidden_layers)
+
+    def _setup_projection(self, layers) -> None:
+        ds, dt = self.student_config.hidden_size, self.teacher_config.hidden_size
+        if self.cfg["projection"] == "none":
+            if layers and ds != dt:
+                raise ValueError(
+                    f"objective '{self.name}': student hidden_size={ds} != teacher hidden_size="
+                    f"{dt} and cfg projection='none'; set projection='shared' or 'per_layer'")
+            layers = ()
+        self._proj_layers = tuple(sorted(set(layers)))
+
+    def _setup_intermediate(self) -> None:
+        c = self.cfg
+        self.layer_map = self._map()
+        if c["w_attn"] != 0.0 and self.layer_map.attention:
+            lm.check_attention_heads(self.student_config.num_attention_heads,
+                                     self.teacher_config.num_attention_heads)
+            self._attn_pairs = self.layer_map.attention
+        self._hidden_pairs = tuple(
+            (s, t) for s, t in self.layer_map.hidden
+            if (c["w_embd"] if s == 0 else c["w_hidn"]) != 0.0)
+        self.student_attention_layers = tuple(sorted({s for s, _ in self._attn_pairs}))
+        self.teacher_attention_layers = tuple(sorted({t for _, t in self._attn_pairs}))
+        lw = c["layer_weights"]
+        M = self.student_config.num_hidden_layers
+        if lw is not None:
+            lw = tuple(float(x) for x in lw)
+            if len(lw) != M + 1:
+                raise ValueError(f"objective '{self.name}': cfg layer_weights needs M + 1 = "
+                                 f"{M + 1} values (student layers 0..{M}), got {len(lw)}")
+        self._layer_weights = lw or (1.0,) * (M + 1)
+        self._setup_projection([s for s, _ in self._hidden_pairs])
+
+    def _setup_pkd(self) -> None:
+        self.layer_map = self._map()
+        self._hidden_pairs = self.layer_map.hidden if self.cfg["beta"] != 0.0 else ()
+        self.teacher_cls_layers = tuple(t for _, t in self._hidden_pairs)
+        self._setup_projection([s for s, _ in self._hidden_pairs])
+
+    # ------------------------------------------------------------------ projection
+    def _proj_key(self, s: int) -> str:
+        return "fit_dense" if self.cfg["projection"] == "shared" else f"fit_dense_{s}"
+
+    def init_projection(self, rng: Array) -> dict:
+        """Projection params {"fit_dense": {"kernel" [d_s, d_t], "bias" [d_t]}} ('shared'),
+        {"fit_dense_<m>": ...} per student layer m ('per_layer'), or {}."""
+        if not self._proj_layers:
+            return {}
+        ds, dt = self.student_config.hidden_size, self.teacher_config.hidden_size
+        std = float(getattr(self.student_config, "initializer_range", 0.02))
+        keys = sorted({self._proj_key(s) for s in self._proj_layers})
+        rngs = jax.random.split(rng, len(keys))
+        return {k: L.init_dense(r, ds, dt, std) for k, r in zip(keys, rngs)}
+
+    def _project(self, proj: dict, s: int, x: Array) -> Array:
+        if not self._proj_layers:
+            return x
+        key = self._proj_key(s)
+        if key not in proj:
+            raise ValueError(f"objective '{self.name}': projection params lack {key!r}; build them "
+                             f"with obj.init_projection(rng) (got keys {sorted(proj)})")
+        return L.project(proj[key], x)
+
+    # ------------------------------------------------------------------ teacher side
+    def teacher_features(self, t_out) -> Dict[str, Array]:
+        """What a teacher cache stores per example: teacher_logits [b, C], teacher_cls [b, K, D_t]."""
+        out = {"teacher_logits": t_out.logits}
+        if self.teacher_cls_layers:
+            out["teacher_cls"] = jnp.stack([t_out.hidden_states[t][:, 0]
+                                            for t in self.teacher_cls_layers], axis=1)
+        return out
+
+    def _teacher_logits(self, t_out, batch) -> Array:
+        if t_out is not None and t_out.logits is not None:
+            return t_out.logits
+        if "teacher_logits" in batch:
+            return batch["teacher_logits"]
+        raise ValueError(f"objective '{self.name}' needs the teacher's logits: pass t_out from a "
+                         "classification teacher or batch['teacher_logits'] from the teacher cache")
+
+    def _teacher_cls(self, t_out, batch) -> Array:
+        if t_out is not None:
+            return jnp.stack([t_out.hidden_states[t][:, 0] for t in self.teacher_cls_layers], 1)
+        if "teacher_cls" in batch:
+            tc = batch["teacher_cls"]
+            if tc.shape[1] != len(self.teacher_cls_layers):
+                raise ValueError(f"batch['teacher_cls'] has {tc.shape[1]} layers but the layer map "
+                                 f"needs {len(self.teacher_cls_layers)} (teacher layers "
+                                 f"{self.teacher_cls_layers})")
+            return tc
+        raise ValueError("objective 'pkd' needs the teacher's [CLS] vectors: pass t_out or "
+                         "batch['teacher_cls'] [b, K, D_t]")
+
+    # ------------------------------------------------------------------ the losses
+    def __call__(self, proj, s_out, t_out, batch) -> Tuple[Array, Dict[str, Array]]:
+        """Returns (total loss scalar, dict of unweighted scalar terms)."""
+        proj = proj or {}
+        if self.needs_teacher and t_out is None and not self.teacher_cacheable:
+            raise ValueError(f"objective '{self.name}' needs the teacher's outputs (t_out)")
+        fn = getattr(self, "_" + self.name)
+        return fn(proj, s_out, t_out, batch)
+
+    def _tinybert_intermediate(self, proj, s_out, t_out, batch):
+        mode, c, lw = self.mode, self.cfg, self._layer_weights
+        mask, valid = batch["attention_mask"], batch.get("valid")
+        terms: Dict[str, Array] = {}
+        total = jnp.zeros((), jnp.float32)
+        attn = hidn = jnp.zeros((), jnp.float32)
+        for s, t in self._attn_pairs:
+            sl, tl = s_out.attention_logits[s - 1], t_out.attention_logits[t - 1]
+            if sl is None or tl is None:
+                raise ValueError(
+                    f"attention logits of student layer {s} / teacher layer {t} are missing: apply "
+                    f"the models with attention_logits=obj.student_attention_layers / "
+                    "obj.teacher_attention_layers")
+            v = L.attention_mse(sl, tl, mask, mode=mode, valid=valid)
+            terms[f"attn/{s}"] = terms.get(f"attn/{s}", 0.0) + v
+            attn = attn + v
+            total = total + lw[s] * c["w_attn"] * v
+        for s, t in self._hidden_pairs:
+            hs = self._project(proj, s, s_out.hidden_states[s])
+            v = L.hidden_mse(hs, t_out.hidden_states[t], mask, mode=mode, valid=valid)
+            if s == 0:
+                terms["embd"] = terms.get("embd", 0.0) + v
+                total = total + lw[0] * c["w_embd"] * v
+            else:
+                terms[f"hidn/{s}"] = terms.get(f"hidn/{s}", 0.0) + v
+                hidn = hidn + v
+                total = total + lw[s] * c["w_hidn"] * v
+        if self._attn_pairs:
+            terms["attn"] = attn
+        if any(s > 0 for s, _ in self._hidden_pairs):
+            terms["hidn"] = hidn
+        return total, terms
+
+    def _tinybert_pred(self, proj, s_out, t_out, batch):
+        c, valid = self.cfg, batch.get("valid")
+        s = s_out.logits
+        if self.is_regression:
+            target = batch["labels"] if c["regression_target"] == "gold" else \
+                self._teacher_logits(t_out, batch)
+            v = L.regression_mse(s, target, valid=valid)
+        else:
+            v = L.soft_cross_entropy(s, self._teacher_logits(t_out, batch), c["temperature"],
+                                     mode=self.mode, t2=c["t2"], valid=valid)
+        return c["w_pred"] * v, {"pred": v}
+
+    def _hard_and_soft(self, s_out, t_out, batch):
+        c, valid = self.cfg, batch.get("valid")
+        s, t = s_out.logits, self._teacher_logits(t_out, batch)
+        if self.is_regression:
+            hard = L.regression_mse(s, batch["labels"], valid=valid)
+            soft = L.regression_mse(s, t, valid=valid)
+        else:
+            hard = L.cross_entropy(s, batch["labels"], valid=valid)
+            soft = L.kl_divergence(s, t, c["temperature"], mode=self.mode, t2=c["t2"],
+                                   valid=valid)
+        # The official PKD order: alpha * KD + (1 - alpha) * CE.
+        return c["alpha"] * soft + (1.0 - c["alpha"]) * hard, {"ce": hard, "kd": soft}
+
+    def _kd(self, proj, s_out, t_out, batch):
+        return self._hard_and_soft(s_out, t_out, batch)
+
+    def _pkd(self, proj, s_out, t_out, batch):
+        total, terms = self._hard_and_soft(s_out, t_out, batch)
+        if not self._hidden_pairs:
+            return total, terms
+        s_cls = jnp.stack([self._project(proj, s, s_out.hidden_states[s][:, 0])
+                           for s, _ in self._hidden_pairs], axis=1)
+        pt = L.patience_loss(s_cls, self._teacher_cls(t_out, batch),
+                             normalize=self.cfg["normalize_patience"], mode=self.mode,
+                             valid=batch.get("valid"))
+        scaled = self.cfg["beta"] * pt
+        if self.mode == "tinybert":
+            # Official: beta * <float16 tensor> is float16 again, i.e. rounded a second time.
+            scaled = L.round_f16(scaled)
+        terms["pt"] = pt
+        return total + scaled, terms
+
+    def _finetune(self, proj, s_out, t_out, batch):
+        valid = batch.get("valid")
+        if self.is_regression:
+            v = L.regression_mse(s_out.logits, batch["labels"], valid=valid)
+            return v, {"mse": v}
+        v = L.cross_entropy(s_out.logits, batch["labels"], valid=valid)
+        return v, {"ce": v}
+
+    def __repr__(self) -> str:
+        lmap = f", layer_map={self.layer_map.name}" if self.layer_map else ""
+        return f"Objective({self.name!r}, mode={self.mode!r}{lmap})"
+
+
+def make_objective(name: str, cfg: Any, student_config, teacher_config=None) -> Objective:
+    """Builds a named objective (one of OBJECTIVES) from its cfg (dict or ConfigDict)."""
+    return Objective(name, cfg, student_config, teacher_config)
+
+
+__all__ = ["OBJECTIVES", "CFG_KEYS", "DEFAULTS", "Objective", "make_objective"]
