@@ -131,9 +131,9 @@ def encode_texts(tokenizer, texts_a: Sequence[str], texts_b: Optional[Sequence[O
     truncated = 0
     for s in range(0, n, batch_size):
         ea = tokenizer(list(texts_a[s:s + batch_size]), add_special_tokens=False,
-                       return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+                       return_attention_mask=False, return_token_type_ids=False, verbose=False)["input_ids"]
         eb = (tokenizer(list(texts_b[s:s + batch_size]), add_special_tokens=False,
-                        return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+                        return_attention_mask=False, return_token_type_ids=False, verbose=False)["input_ids"]
               if pair else [None] * len(ea))
         for j, (a, b) in enumerate(zip(ea, eb)):
             a, b, cut = truncate_pair(a, b, max_len - (3 if b is not None else 2))
