@@ -1,0 +1,263 @@
+"""The Flax BERT against PyTorch `transformers` and HF Flax, on the real packaged teacher."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_tinybert as jtb
+from jax_tinybert.hf import WeightsError
+
+SENTENCES = [
+    ("the movie was a delight from start to finish .", None),
+    ("terrible .", None),
+    ("a man is playing a guitar on the street", "someone plays an instrument outside"),
+    ("it 's a charming and often affecting journey .", "nothing happens"),
+]
+
+
+@pytest.fixture(scope="module")
+def teacher(teacher_dir):
+    return jtb.load_pretrained(teacher_dir)
+
+
+@pytest.fixture(scope="module")
+def batch(teacher_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    a = [s for s, _ in SENTENCES]
+    b = [t if t is not None else "" for _, t in SENTENCES]
+    enc = tok(a, b, padding="longest", return_tensors="np")
+    # Single sentences: drop the empty second segment so real single-sentence inputs are used.
+    singles = tok([s for s, t in SENTENCES if t is None], padding="max_length",
+                  max_length=enc["input_ids"].shape[1], return_tensors="np")
+    n = len(singles["input_ids"])
+    for k in ("input_ids", "attention_mask", "token_type_ids"):
+        enc[k][:n] = singles[k]
+    assert (enc["attention_mask"] == 0).any(), "the batch must contain padding"
+    return {k: enc[k].astype(np.int32) for k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+@pytest.fixture(scope="module")
+def torch_model(teacher_dir):
+    import torch
+    from transformers import BertModel as TorchBert
+
+    torch.manual_seed(0)
+    m = TorchBert.from_pretrained(teacher_dir, attn_implementation="eager").eval()
+    return m
+
+
+def test_hidden_states_and_attention_match_pytorch(teacher, batch, torch_model):
+    import torch
+
+    config, params = teacher
+    out = jtb.BertModel(config).apply({"params": params}, batch["input_ids"],
+                                      batch["attention_mask"], batch["token_type_ids"])
+    tb = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+    captured = {}
+
+    def hook(module, inputs, output, idx):
+        captured[idx] = inputs[0].detach()
+
+    handles = [layer.attention.self.register_forward_hook(
+        lambda m, i, o, idx=idx: hook(m, i, o, idx)) for idx, layer in
+        enumerate(torch_model.encoder.layer)]
+    with torch.no_grad():
+        ref = torch_model(**tb, output_hidden_states=True, output_attentions=True)
+    for h in handles:
+        h.remove()
+
+    assert len(out.hidden_states) == config.num_hidden_layers + 1 == 7
+    for i, (ours, theirs) in enumerate(zip(out.hidden_states, ref.hidden_states)):
+        np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-4,
+                                   err_msg=f"hidden state {i}")
+    np.testing.assert_allclose(np.asarray(out.pooled), ref.pooler_output.numpy(), atol=1e-4)
+
+    mask = batch["attention_mask"]
+    d = config.head_dim
+    for i, layer in enumerate(torch_model.encoder.layer):
+        x = captured[i]
+        sa = layer.attention.self
+        with torch.no_grad():
+            q = sa.query(x).view(x.shape[0], x.shape[1], config.num_attention_heads, d).transpose(1, 2)
+            k = sa.key(x).view(x.shape[0], x.shape[1], config.num_attention_heads, d).transpose(1, 2)
+            scores = (q @ k.transpose(-1, -2) / np.sqrt(d)).numpy()
+        ours = np.asarray(out.attention_logits[i])
+        assert ours.shape == (4, 12, mask.shape[1], mask.shape[1])
+        np.testing.assert_allclose(ours, scores, atol=1e-4, err_msg=f"attention logits {i}")
+        # softmax(logits + mask) is PyTorch's own output_attentions.
+        z = ours + np.where(mask[:, None, None, :] > 0, 0.0, -1e9)
+        probs = np.exp(z - z.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        np.testing.assert_allclose(probs, ref.attentions[i].numpy(), atol=1e-5)
+
+
+def test_hf_flax_model_agrees(teacher, batch, teacher_dir):
+    from transformers import FlaxBertModel
+
+    config, params = teacher
+    hf = FlaxBertModel.from_pretrained(teacher_dir, from_pt=True)
+    ref = hf(**batch, output_hidden_states=True)
+    out = jtb.BertModel(config).apply({"params": params}, batch["input_ids"],
+                                      batch["attention_mask"], batch["token_type_ids"])
+    for ours, theirs in zip(out.hidden_states, ref.hidden_states):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-4)
+    # Same parameter tree, leaf for leaf.
+    flat_hf = jax.tree_util.tree_leaves_with_path(hf.params)
+    flat_ours = dict(jax.tree_util.tree_leaves_with_path(params))
+    assert len(flat_hf) == len(flat_ours)
+    for path, leaf in flat_hf:
+        np.testing.assert_allclose(np.asarray(flat_ours[path]), np.asarray(leaf), atol=1e-6)
+
+
+def test_tinybert4_parameter_count():
+    cfg = jtb.BertConfig(num_hidden_layers=4, hidden_size=312, intermediate_size=1200,
+                         num_attention_heads=12, vocab_size=30522)
+    params = jax.eval_shape(lambda: jtb.init_params(jtb.BertModel(cfg), jax.random.PRNGKey(0)))
+    n = jtb.count_params(params)
+    # 14,350,248 for the encoder + pooler; with the 312->768 fit_dense of the paper's TinyBERT4
+    # (312*768 + 768) it is 14,590,632: the paper's "14.5M".
+    assert n == 14_350_248
+    assert n + 312 * 768 + 768 == 14_590_632
+
+
+def test_selected_attention_logits_and_jit(teacher, batch):
+    config, params = teacher
+    model = jtb.BertModel(config)
+    full = model.apply({"params": params}, **batch)
+
+    @jax.jit
+    def f(p, b):
+        return model.apply({"params": p}, **b, attention_logits=(2, 4))
+
+    part = f(params, batch)
+    assert [x is None for x in part.attention_logits] == [True, False, True, False, True, True]
+    np.testing.assert_allclose(np.asarray(part.attention_logits[1]),
+                               np.asarray(full.attention_logits[1]), atol=1e-5)
+    with pytest.raises(ValueError, match="layers 1..6"):
+        model.apply({"params": params}, **batch, attention_logits=(0,))
+
+
+def test_bf16_compute_close_to_fp32(teacher, batch):
+    config, params = teacher
+    f32 = jtb.BertModel(config).apply({"params": params}, **batch)
+    b16 = jtb.BertModel(config, dtype=jnp.bfloat16).apply({"params": params}, **batch)
+    h32, h16 = np.asarray(f32.hidden_states[-1]), np.asarray(b16.hidden_states[-1], np.float32)
+    # bf16 has 8 mantissa bits; after 6 layers the relative error stays a few percent.
+    rel = np.linalg.norm(h16 - h32) / np.linalg.norm(h32)
+    assert rel < 0.03, rel
+    assert b16.hidden_states[-1].dtype == jnp.bfloat16
+
+
+def test_remat_same_gradients(batch):
+    cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, vocab_size=30522)
+    m0 = jtb.BertForSequenceClassification(cfg)
+    m1 = jtb.BertForSequenceClassification(cfg, remat=True)
+    params = jtb.init_params(m0, jax.random.PRNGKey(1))
+
+    def loss(model, p):
+        out = model.apply({"params": p}, **batch, deterministic=False,
+                          rngs={"dropout": jax.random.PRNGKey(3)})
+        return jnp.sum(out.logits ** 2) + sum(jnp.mean(a ** 2) for a in out.attention_logits)
+
+    g0 = jax.jit(jax.grad(lambda p: loss(m0, p)))(params)
+    g1 = jax.jit(jax.grad(lambda p: loss(m1, p)))(params)
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_config_round_trip(teacher_dir, tmp_path):
+    cfg = jtb.BertConfig.from_json_file(os.path.join(teacher_dir, "config.json"))
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    again = jtb.BertConfig.from_json_file(str(tmp_path / "config.json"))
+    assert again.to_dict() == cfg.to_dict()
+    from transformers import BertConfig as HFConfig
+
+    hf = HFConfig.from_json_file(str(tmp_path / "config.json"))
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.intermediate_size) == (384, 6, 1536)
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+def _copy_teacher(teacher_dir, tmp_path, **overrides):
+    d = tmp_path / "m"
+    shutil.copytree(teacher_dir, d)
+    if overrides:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(overrides)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_bad_heads(teacher_dir, tmp_path):
+    d = _copy_teacher(teacher_dir, tmp_path, num_attention_heads=7)
+    with pytest.raises(jtb.ConfigError, match=r"config.json.*'hidden_size' \(384\).*'num_attention_heads' \(7\)"):
+        jtb.load_pretrained(str(d))
+
+
+def test_bad_activation(teacher_dir, tmp_path):
+    d = _copy_teacher(teacher_dir, tmp_path, hidden_act="swishy")
+    with pytest.raises(jtb.ConfigError, match="'hidden_act' is 'swishy'; expected one of"):
+        jtb.load_pretrained(str(d))
+
+
+def test_weights_do_not_fit_config(teacher_dir, tmp_path):
+    d = _copy_teacher(teacher_dir, tmp_path, intermediate_size=1000)
+    with pytest.raises(WeightsError, match=r"(?s)model.safetensors.*wrong shape: .*intermediate/dense/kernel: checkpoint \(384, 1536\), config expects \(384, 1000\)"):
+        jtb.load_pretrained(str(d))
+
+
+def test_missing_weights_named(teacher_dir, tmp_path):
+    d = _copy_teacher(teacher_dir, tmp_path, num_hidden_layers=8)
+    with pytest.raises(WeightsError, match="missing .*encoder/layer/6/"):
+        jtb.load_pretrained(str(d))
+
+
+def test_folder_without_weights(teacher_dir, tmp_path):
+    d = _copy_teacher(teacher_dir, tmp_path)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no weights file; expected one of model.safetensors, pytorch_model.bin, flax_model.msgpack"):
+        jtb.load_pretrained(str(d))
+
+
+def test_offline_hub_name_explains(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="Pass a local folder"):
+        jtb.load_pretrained("bert-base-uncased")
+
+
+def test_pytorch_bin_and_msgpack_and_old_names(teacher_dir, teacher, tmp_path):
+    """pytorch_model.bin with `bert.` prefix + gamma/beta, and flax_model.msgpack, load the same."""
+    import torch
+    from flax import serialization
+    from safetensors.numpy import load_file
+
+    config, params = teacher
+    sd = load_file(os.path.join(teacher_dir, "model.safetensors"))
+    old = {}
+    for k, v in sd.items():
+        k2 = "bert." + k
+        k2 = k2.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+        old[k2] = torch.tensor(v)
+    old["classifier.weight"] = torch.zeros(2, 384)
+    old["classifier.bias"] = torch.ones(2)
+    d = _copy_teacher(teacher_dir, tmp_path)
+    (d / "model.safetensors").unlink()
+    torch.save(old, d / "pytorch_model.bin")
+    cfg2, p2 = jtb.load_pretrained(str(d))
+    assert set(p2) == {"bert", "classifier"}
+    np.testing.assert_array_equal(p2["classifier"]["bias"], np.ones(2))
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(p2["bert"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    (d / "pytorch_model.bin").unlink()
+    (d / "flax_model.msgpack").write_bytes(serialization.to_bytes(p2))
+    _, p3 = jtb.load_pretrained(str(d))
+    for a, b in zip(jax.tree_util.tree_leaves(p2), jax.tree_util.tree_leaves(p3)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
