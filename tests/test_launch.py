@@ -1,0 +1,297 @@
+"""Launch scripts (launch/*): shellcheck, --help, dry-run commands, fail-fast multi-process runs."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch"
+SCRIPTS = ["tpu_vm.sh", "gpu.sh", "slurm.sbatch", "local_multiprocess.sh"]
+TPU_VARS = ("TPU_NAME", "ZONE", "PROJECT", "ACCELERATOR_TYPE", "RUNTIME_VERSION", "QUEUED_RESOURCE_ID")
+
+
+def _env(**extra):
+    """A clean environment: none of the variables the scripts read, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in TPU_VARS and not k.startswith(("JTB_", "SLURM_")) and k not in ("PYTHON", "DRY_RUN")}
+    env.update(extra)
+    return env
+
+
+def _run(args, env=None, timeout=60, cwd=REPO):
+    return subprocess.run(["bash", *map(str, args)], env=env if env is not None else _env(), cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- static checks
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_shellcheck_clean(script):
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck binary not installed (make install tries `apt-get install shellcheck`)")
+    res = subprocess.run([shellcheck, "--shell=bash", str(LAUNCH / script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_strict_mode_and_help(script):
+    text = (LAUNCH / script).read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "set -euo pipefail" in text
+    res = _run([LAUNCH / script, "--help"])
+    assert res.returncode == 0, res.stderr
+    assert "jax_tinybert.main" in res.stdout
+    assert "--dry-run" in res.stdout or "DRY_RUN" in res.stdout
+
+
+@pytest.mark.parametrize("script", ["tpu_vm.sh", "gpu.sh", "local_multiprocess.sh"])
+def test_executable(script):
+    assert os.access(LAUNCH / script, os.X_OK)
+
+
+# --------------------------------------------------------------------------- TPU VM
+
+TPU_ENV = dict(TPU_NAME="jtb-test", ZONE="us-central2-b", PROJECT="my-proj", ACCELERATOR_TYPE="v4-32")
+LOC = "--zone=us-central2-b --project=my-proj"
+
+
+def _tpu(*args, **env):
+    res = _run([LAUNCH / "tpu_vm.sh", "--dry-run", *args], env=_env(**{**TPU_ENV, **env}))
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_tpu_create_dry_run():
+    out = _tpu("create")
+    assert (f"+ gcloud compute tpus tpu-vm create jtb-test {LOC} --accelerator-type=v4-32 "
+            "--version=tpu-ubuntu2204-base") in out
+    assert "--spot" not in out
+    out = _tpu("create", "--spot", "--runtime-version", "v2-alpha-tpuv5-lite")
+    assert "tpu-vm create jtb-test" in out and "--version=v2-alpha-tpuv5-lite --spot" in out
+
+
+def test_tpu_create_queued_dry_run():
+    out = _tpu("create", "--queued", "--spot")
+    assert (f"+ gcloud compute tpus queued-resources create jtb-test-qr --node-id=jtb-test {LOC} "
+            "--accelerator-type=v4-32 --runtime-version=tpu-ubuntu2204-base --spot") in out
+    assert "tpu-vm create" not in out
+
+
+def test_tpu_setup_dry_run():
+    out = _tpu("setup")
+    assert f"gcloud compute tpus tpu-vm ssh jtb-test {LOC} --worker=all" in out
+    assert "gcloud compute tpus tpu-vm scp --worker=all --recurse" in out
+    assert "jtb-test:jax-tinybert" in out
+    assert "pip install" in out and "jax\\[tpu\\]" in out and "-e \"$HOME\"/jax-tinybert" in out
+    out = _tpu("setup", "--git", "https://example.com/jtb.git", "--ref", "v1")
+    assert "git clone --depth 1 --branch v1 https://example.com/jtb.git" in out
+    assert "scp" not in out
+
+
+def test_tpu_run_dry_run():
+    out = _tpu("run", "--run-id", "r1", "--env", "FOO=bar", "configs/task_distill.py:sst2",
+               "--workdir=gs://bucket/run 1", "--config.train.steps=10")
+    assert f"+ gcloud compute tpus tpu-vm ssh jtb-test {LOC} --worker=all '--command=" in out
+    assert "nohup env FOO=bar \"$HOME\"/jtb-venv/bin/python -m jax_tinybert.main" in out
+    assert "--config=configs/task_distill.py:sst2 --workdir=gs://bucket/run\\ 1 --config.train.steps=10" in out
+    assert "jtb-logs/r1/worker-$W.log 2>&1 < /dev/null &" in out   # one log per worker, detached
+    assert "agent-worker-number" in out
+
+
+def test_tpu_tail_stop_delete_dry_run():
+    out = _tpu("tail", "-f")
+    assert f"tpu-vm ssh jtb-test {LOC} --worker=all" in out and "tail -v -n 40 -F" in out
+    assert "--worker=0" in _tpu("tail", "--worker", "0")
+    assert "worker-*.pid" in _tpu("stop")
+    assert f"+ gcloud compute tpus tpu-vm delete jtb-test {LOC} --quiet" in _tpu("delete")
+    assert f"+ gcloud compute tpus queued-resources delete jtb-test-qr {LOC} --force --quiet" in _tpu(
+        "delete", "--queued")
+
+
+def test_tpu_flags_override_env():
+    out = _tpu("--name", "other", "--zone=europe-west4-a", "delete")
+    assert "tpu-vm delete other --zone=europe-west4-a --project=my-proj" in out
+
+
+def test_tpu_missing_variables_listed():
+    res = _run([LAUNCH / "tpu_vm.sh", "--dry-run", "create"], env=_env())
+    assert res.returncode != 0
+    assert "missing" in res.stderr
+    for var in ("TPU_NAME", "ZONE", "PROJECT", "ACCELERATOR_TYPE"):
+        assert var in res.stderr
+    assert "gcloud" not in res.stdout
+    res = _run([LAUNCH / "tpu_vm.sh", "--dry-run", "create"], env=_env(TPU_NAME="x", PROJECT="p"))
+    assert res.returncode != 0
+    line = next(l for l in res.stderr.splitlines() if "missing" in l)
+    assert "ZONE" in line and "ACCELERATOR_TYPE" in line
+    assert "TPU_NAME" not in line and "PROJECT" not in line
+    res = _run([LAUNCH / "tpu_vm.sh", "--dry-run", "run", "configs/x.py"], env=_env(ZONE="z"))
+    assert res.returncode != 0 and "TPU_NAME" in res.stderr and "PROJECT" in res.stderr
+
+
+def test_tpu_unknown_subcommand():
+    res = _run([LAUNCH / "tpu_vm.sh", "frobnicate"], env=_env(**TPU_ENV))
+    assert res.returncode != 0 and "unknown subcommand" in res.stderr
+
+
+# --------------------------------------------------------------------------- GPU / SLURM
+
+
+def test_gpu_dry_run():
+    res = _run([LAUNCH / "gpu.sh", "--dry-run", "--gpus", "0,1", "--config=configs/a.py:b", "--workdir=runs/x"])
+    assert res.returncode == 0, res.stderr
+    assert ("JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 CUDA_VISIBLE_DEVICES=0,1 ") in res.stderr
+    assert "-m jax_tinybert.main --config=configs/a.py:b --workdir=runs/x" in res.stderr
+
+
+def test_gpu_runs_program_and_passes_exit_code(tmp_path):
+    (tmp_path / "probe.py").write_text(textwrap.dedent("""
+        import os, sys
+        print("ARGS", sys.argv[1:], "CPU", os.environ.get("JTB_CPU_DEVICES"),
+              "FRAC", os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"], flush=True)
+        sys.exit(7)
+    """))
+    env = _env(PYTHON=sys.executable, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu", JTB_CPU_DEVICES="4")
+    res = _run([LAUNCH / "gpu.sh", "-m", "probe", "--log", tmp_path / "log.txt", "--", "--workdir=w"], env=env)
+    assert res.returncode == 7
+    assert "ARGS ['--workdir=w'] CPU None FRAC 0.90" in res.stdout
+    assert "ARGS" in (tmp_path / "log.txt").read_text()
+
+
+def test_slurm_dry_run():
+    env = _env(DRY_RUN="1", SLURM_GPUS_ON_NODE="4", SLURM_NTASKS_PER_NODE="1", JTB_COORDINATOR="x:1")
+    res = _run([LAUNCH / "slurm.sbatch", "--config=configs/a.py", "--workdir=/shared/w"], env=env)
+    assert res.returncode == 0, res.stderr
+    assert "JAX_LOCAL_DEVICE_IDS=0,1,2,3" in res.stdout
+    assert "+ srun --kill-on-bad-exit=1 --output=" in res.stdout
+    assert "-m jax_tinybert.main --config=configs/a.py --workdir=/shared/w" in res.stdout
+    env = _env(DRY_RUN="1", SLURM_NTASKS_PER_NODE="8")
+    res = _run([LAUNCH / "slurm.sbatch", "--config=configs/a.py"], env=env)
+    assert res.returncode == 0 and "JAX_LOCAL_DEVICE_IDS=<jax default>" in res.stdout
+
+
+def test_slurm_outside_job_refuses():
+    res = _run([LAUNCH / "slurm.sbatch", "--config=configs/a.py"])
+    assert res.returncode != 0 and "sbatch" in res.stderr
+
+
+# --------------------------------------------------------------------------- local multi-process
+
+STAND_IN = textwrap.dedent("""
+    import os, sys, time
+    pid = int(os.environ["JTB_PROCESS_ID"])
+    out = os.environ["MARK_DIR"]
+    with open(os.path.join(out, f"env_{pid}"), "w") as f:
+        f.write(" ".join([os.environ["JTB_COORDINATOR"], os.environ["JTB_NUM_PROCESSES"],
+                          os.environ["JTB_CPU_DEVICES"], os.environ["JAX_PLATFORMS"], str(os.getpid())]
+                         + sys.argv[1:]))
+    print(f"hello from process {pid}", flush=True)
+    mode = sys.argv[1]
+    if mode == "fail" and pid == 1:
+        time.sleep(0.5)
+        print("process 1 gives up", flush=True)
+        sys.exit(3)
+    if mode in ("fail", "hang"):
+        time.sleep(600)
+""")
+
+
+def _stand_in(tmp_path):
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    return _env(PYTHON=sys.executable, PYTHONPATH=str(tmp_path), MARK_DIR=str(marks)), marks
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(pid, 0): look at its state
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_local_multiprocess_success(tmp_path):
+    env, marks = _stand_in(tmp_path)
+    res = _run([LAUNCH / "local_multiprocess.sh", "-n", "3", "-d", "2", "-m", "stand_in", "--",
+                "ok", f"--workdir={tmp_path / 'wd'}"], env=env)
+    assert res.returncode == 0, res.stderr
+    envs = [(marks / f"env_{i}").read_text().split() for i in range(3)]
+    assert len({e[0] for e in envs}) == 1 and envs[0][0].startswith("127.0.0.1:")
+    assert all(e[1:4] == ["3", "2", "cpu"] for e in envs)
+    assert envs[2][5:] == ["ok", f"--workdir={tmp_path / 'wd'}"]
+    assert "hello from process 0" in res.stdout            # process 0 is echoed to the console
+    assert "hello from process 1" not in res.stdout
+    for i in range(3):                                       # default log dir: <workdir>/logs
+        assert f"hello from process {i}" in (tmp_path / "wd" / "logs" / f"process_{i}.log").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_local_multiprocess_failure_kills_the_others(tmp_path):
+    env, marks = _stand_in(tmp_path)
+    t0 = time.monotonic()
+    res = _run([LAUNCH / "local_multiprocess.sh", "-n", "3", "-d", "1", "-l", tmp_path / "logs",
+                "-m", "stand_in", "--", "fail"], env=env, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 3, res.stderr
+    assert elapsed < 30
+    assert f"process 1 (pid" in res.stderr
+    assert str(tmp_path / "logs" / "process_1.log") in res.stderr
+    assert "process 1 gives up" in res.stderr               # the tail of its log is shown
+    for i in (0, 2):
+        pid = int((marks / f"env_{i}").read_text().split()[4])
+        assert not _alive(pid), f"process {i} (pid {pid}) survived"
+
+
+@pytest.mark.timeout(120)
+def test_local_multiprocess_timeout(tmp_path):
+    env, marks = _stand_in(tmp_path)
+    t0 = time.monotonic()
+    res = _run([LAUNCH / "local_multiprocess.sh", "-n", "2", "-d", "1", "-t", "2", "-q",
+                "-m", "stand_in", "--", "hang"], env=env, timeout=60)
+    assert res.returncode == 124, res.stderr
+    assert time.monotonic() - t0 < 30 and "timeout" in res.stderr
+    for i in range(2):
+        assert not _alive(int((marks / f"env_{i}").read_text().split()[4]))
+
+
+def test_local_multiprocess_dry_run_and_bad_args():
+    res = _run([LAUNCH / "local_multiprocess.sh", "--dry-run", "-n", "2", "-d", "4", "-p", "1234", "--",
+                "--config=configs/demo.py", "--workdir=/tmp/x"])
+    assert res.returncode == 0, res.stderr
+    assert ("env JTB_COORDINATOR=127.0.0.1:1234 JTB_NUM_PROCESSES=2 JTB_PROCESS_ID=1 JTB_CPU_DEVICES=4 ") in res.stderr
+    assert "-m jax_tinybert.main --config=configs/demo.py --workdir=/tmp/x > /tmp/x/logs/process_1.log" in res.stderr
+    res = _run([LAUNCH / "local_multiprocess.sh", "-n", "zero", "--", "x"])
+    assert res.returncode != 0 and "--num-processes" in res.stderr
+
+
+# --------------------------------------------------------------------------- the real thing
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(not (REPO / "jax_tinybert" / "main.py").exists(), reason="jax_tinybert/main.py not written yet")
+@pytest.mark.skipif(not (REPO / "configs" / "demo.py").exists(), reason="configs/demo.py not written yet")
+def test_local_multiprocess_real_distillation_2x4(tmp_path):
+    """2 processes x 4 CPU devices = 8 global devices, through jax.distributed + gloo."""
+    env = _env(PYTHON=str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists()
+               else sys.executable)
+    wd = tmp_path / "wd"
+    res = _run([LAUNCH / "local_multiprocess.sh", "-n", "2", "-d", "4", "-t", "1200", "--",
+                "--config=configs/demo.py", f"--workdir={wd}"], env=env, timeout=1300)
+    logs = {i: (wd / "logs" / f"process_{i}.log").read_text() for i in range(2)}
+    assert res.returncode == 0, res.stderr[-4000:] + "\n" + logs[1][-4000:]
+    assert "Traceback" not in logs[0] + logs[1]
+    assert any(wd.iterdir())
