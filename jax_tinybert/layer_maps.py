@@ -37,7 +37,7 @@ class LayerMap:
         object.__setattr__(self, "hidden", _as_pairs(self.hidden, "hidden"))
         _check_counts(self.num_student_layers, self.num_teacher_layers)
         M, N = self.num_student_layers, self.num_teacher_layers
-        for field, pairs, lo in (("attention", self.attention, 1), ("hidden", self.hidden, 0)):
+        for field, pairs, lo in (("hidden", self.hidden, 0), ("attention", self.attention, 1)):
             for s, t in pairs:
                 if not lo <= s <= M:
                     raise ValueError(

@@ -1,0 +1,90 @@
+"""Layer maps against the official index formulas and PKD's published layer sets."""
+import pytest
+
+from jax_tinybert import layer_maps as lm
+
+
+def official_tinybert(M, N):
+    """TinyBERT task_distill.py: attention teacher j*k + k - 1 (0-based), hidden j*k (0 = emb)."""
+    k = N // M
+    att = [j * k + k - 1 for j in range(M)]
+    rep = [j * k for j in range(M + 1)]
+    return att, rep
+
+
+@pytest.mark.parametrize("M,N", [(4, 12), (6, 12), (3, 6), (2, 6)])
+def test_uniform_matches_official(M, N):
+    m = lm.uniform(M, N)
+    att0, rep = official_tinybert(M, N)
+    assert m.student_attention_layers == tuple(range(1, M + 1))
+    assert [t - 1 for t in m.teacher_attention_layers] == att0  # 1-based here
+    assert m.student_hidden_layers == tuple(range(M + 1))
+    assert list(m.teacher_hidden_layers) == rep
+    assert m.name == "uniform"
+
+
+def test_uniform_known_values():
+    assert lm.uniform(4, 12).attention == ((1, 3), (2, 6), (3, 9), (4, 12))
+    assert lm.uniform(3, 6).teacher_attention_layers == (2, 4, 6)  # oracle: 0-based 1, 3, 5
+    assert lm.uniform(3, 6).teacher_hidden_layers == (0, 2, 4, 6)
+    assert lm.uniform(2, 6).hidden == ((0, 0), (1, 3), (2, 6))
+
+
+def test_pkd_published_sets():
+    skip = lm.pkd_skip(6, 12)
+    assert skip.teacher_hidden_layers == (2, 4, 6, 8, 10)
+    assert [t - 1 for t in skip.teacher_hidden_layers] == [1, 3, 5, 7, 9]  # --fc_layer_idx
+    assert skip.student_hidden_layers == (1, 2, 3, 4, 5)
+    last = lm.pkd_last(6, 12)
+    assert last.teacher_hidden_layers == (7, 8, 9, 10, 11)
+    assert last.student_hidden_layers == (1, 2, 3, 4, 5)
+    assert lm.pkd_skip(3, 6).hidden == ((1, 2), (2, 4))
+    assert lm.pkd_last(3, 12).hidden == ((1, 10), (2, 11))
+
+
+def test_top_bottom():
+    assert lm.top(4, 12).attention == ((1, 9), (2, 10), (3, 11), (4, 12))
+    assert lm.top(4, 12).hidden[0] == (0, 0)
+    assert lm.bottom(4, 12).hidden == ((0, 0), (1, 1), (2, 2), (3, 3), (4, 4))
+    assert lm.top(5, 12).teacher_attention_layers == (8, 9, 10, 11, 12)  # any M <= N
+
+
+def test_from_spec():
+    assert lm.from_spec("uniform", 4, 12) == lm.uniform(4, 12)
+    assert lm.from_spec("pkd_last", 6, 12) == lm.pkd_last(6, 12)
+    m = lm.from_spec([(0, 0), (1, 4), (2, 12)], 2, 12)
+    assert m.hidden == ((0, 0), (1, 4), (2, 12))
+    assert m.attention == ((1, 4), (2, 12))  # layer 0 has no attention
+    m2 = lm.from_spec({"hidden": [[1, 2]], "attention": [[2, 5]]}, 2, 6)
+    assert m2.attention == ((2, 5),) and m2.hidden == ((1, 2),)
+    assert lm.from_spec(m2.to_spec(), 2, 6) == lm.LayerMap(2, 6, ((2, 5),), ((1, 2),))
+    u = lm.uniform(3, 6)
+    assert lm.from_spec(u, 3, 6) is u
+
+
+@pytest.mark.parametrize("fn", [lm.uniform, lm.pkd_skip])
+def test_non_divisible_raises(fn):
+    with pytest.raises(ValueError, match=r"multiple of student layers \(5\).*\[1, 2, 3, 4, 6, 12\]"):
+        fn(5, 12)
+
+
+def test_bad_maps_raise():
+    with pytest.raises(ValueError, match="teacher layer 13.*1..12"):
+        lm.from_spec([(1, 13)], 4, 12)
+    with pytest.raises(ValueError, match="student layer 5.*0..4"):
+        lm.from_spec([(5, 12)], 4, 12)
+    with pytest.raises(ValueError, match="embeddings.*no attention"):
+        lm.from_spec({"hidden": [], "attention": [(0, 0)]}, 4, 12)
+    with pytest.raises(ValueError, match="pair"):
+        lm.from_spec([(1, 2, 3)], 4, 12)
+    with pytest.raises(ValueError, match="not a known map.*uniform"):
+        lm.from_spec("skip", 4, 12)
+    with pytest.raises(ValueError, match="deeper"):
+        lm.top(6, 4)
+    with pytest.raises(ValueError, match="num_student_layers"):
+        lm.uniform(0, 12)
+    with pytest.raises(ValueError, match="built for 4 -> 12"):
+        lm.from_spec(lm.uniform(4, 12), 6, 12)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        lm.check_attention_heads(4, 12)
+    lm.check_attention_heads(12, 12)
