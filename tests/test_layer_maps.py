@@ -69,7 +69,7 @@ def test_non_divisible_raises(fn):
 
 
 def test_bad_maps_raise():
-    with pytest.raises(ValueError, match="teacher layer 13.*1..12"):
+    with pytest.raises(ValueError, match="teacher layer 13.*0..12"):
         lm.from_spec([(1, 13)], 4, 12)
     with pytest.raises(ValueError, match="student layer 5.*0..4"):
         lm.from_spec([(5, 12)], 4, 12)
