@@ -1,0 +1,359 @@
+"""TinyBERT data augmentation (Jiao et al. 2020, Alg. 1), batched.
+
+For each whitespace word of a sentence that is alphabetic and not a stop-word:
+  * a word that is one WordPiece gets candidates from a masked LM: the sentence with that word
+    replaced by [MASK], top-K whole-word predictions (all masked copies of many sentences go
+    through the model together, in fixed-shape batches, one forward per batch);
+  * a word of several pieces gets its K nearest neighbours (cosine) in an embedding table: a
+    GloVe text file when given, else the MLM's input word embeddings (the word's vector being the
+    mean of its pieces' vectors; neighbours are whole-word vocab entries).
+Then N times: each candidate word is replaced, with probability p, by a uniformly drawn
+candidate. Candidates never include the word itself, so "replaced" means "changed".
+As in the official script, duplicate outputs are dropped (`dedupe`), so an example yields at
+most N new sentences; for sentence-pair tasks each side is augmented separately with the other
+side kept. Randomness is drawn per (seed, row, column), so results do not depend on batching.
+
+CLI: python -m jax_tinybert.data.augment --task SST-2 --glue_dir GLUE --mlm bert-base-uncased \
+       --out OUT_DIR [--glove_path glove.6B.300d.txt] [--N 20 --K 15 --p 0.4 --seed 42]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from jax_tinybert.data import glue
+
+log = logging.getLogger(__name__)
+
+# NLTK's English stop-word list (the official TinyBERT script hard-codes the same list).
+STOP_WORDS = frozenset("""
+i me my myself we our ours ourselves you you're you've you'll you'd your yours yourself
+yourselves he him his himself she she's her hers herself it it's its itself they them their
+theirs themselves what which who whom this that that'll these those am is are was were be been
+being have has had having do does did doing a an the and but if or because as until while of at
+by for with about against between into through during before after above below to from up down
+in out on off over under again further then once here there when where why how all any both
+each few more most other some such no nor not only own same so than too very s t can will just
+don don't should should've now d ll m o re ve y ain aren aren't couldn couldn't didn didn't
+doesn doesn't hadn hadn't hasn hasn't haven haven't isn isn't ma mightn mightn't mustn mustn't
+needn needn't shan shan't shouldn shouldn't wasn wasn't weren weren't won won't wouldn wouldn't
+""".split())
+
+
+def is_candidate_word(word: str) -> bool:
+    """Alphabetic and not a stop-word (case-insensitive)."""
+    return word.isalpha() and word.lower() not in STOP_WORDS
+
+
+def _match_case(cand: str, word: str) -> str:
+    return cand.capitalize() if word[:1].isupper() and not word.isupper() else (
+        cand.upper() if word.isupper() and len(word) > 1 else cand)
+
+
+class EmbeddingTable:
+    """Unit-normalised word vectors [V, D] with their words, for cosine nearest neighbours."""
+
+    def __init__(self, words: Sequence[str], vectors: np.ndarray):
+        self.words = list(words)
+        v = np.asarray(vectors, np.float32)
+        self.vectors = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        self.index = {w: i for i, w in enumerate(self.words)}
+
+    @classmethod
+    def from_glove(cls, path: str, max_words: Optional[int] = None) -> "EmbeddingTable":
+        """GloVe text format: `word v1 ... vD` per line (most frequent first)."""
+        words, vecs = [], []
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                parts = line.rstrip().split(" ")
+                if len(parts) < 3:
+                    continue
+                try:
+                    vecs.append(np.asarray(parts[1:], np.float32))
+                except ValueError:
+                    raise ValueError(f"{path}:{lineno}: expected 'word v1 ... vD'") from None
+                if vecs and len(vecs[-1]) != len(vecs[0]):
+                    raise ValueError(f"{path}:{lineno}: {len(vecs[-1])} values, expected "
+                                     f"{len(vecs[0])}")
+                words.append(parts[0])
+                if max_words and len(words) >= max_words:
+                    break
+        if not words:
+            raise ValueError(f"{path}: no vectors read")
+        return cls(words, np.stack(vecs))
+
+    def neighbours(self, queries: np.ndarray, k: int, exclude: Sequence[Sequence[str]],
+                   chunk: int = 1024) -> List[List[str]]:
+        """Top-k words by cosine to each query [m, D], skipping words in `exclude[i]`."""
+        q = np.asarray(queries, np.float32)
+        q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12)
+        out = []
+        for s in range(0, len(q), chunk):
+            sims = q[s:s + chunk] @ self.vectors.T
+            kk = min(k + 8, sims.shape[1])
+            top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
+            for r in range(len(top)):
+                order = top[r][np.argsort(-sims[r, top[r]], kind="stable")]
+                ex = {w.lower() for w in exclude[s + r]}
+                out.append([self.words[j] for j in order if self.words[j].lower() not in ex][:k])
+        return out
+
+
+class Augmenter:
+    """TinyBERT augmentation with a Flax `BertForMaskedLM` (`params` = {"bert", "cls"})."""
+
+    def __init__(self, tokenizer, mlm_model, mlm_params, *, glove: Optional[EmbeddingTable] = None,
+                 N: int = 20, K: int = 15, p: float = 0.4, seed: int = 42, max_seq_len: int = 128,
+                 batch_size: int = 64, buckets: Sequence[int] = (32, 64, 128), dedupe: bool = True):
+        import jax
+
+        self.tok = tokenizer
+        self.N, self.K, self.p, self.seed = int(N), int(K), float(p), int(seed)
+        self.max_seq_len = int(max_seq_len)
+        self.batch_size = int(batch_size)
+        self.buckets = tuple(sorted(b for b in buckets if b < max_seq_len)) + (self.max_seq_len,)
+        self.dedupe = dedupe
+        self.params = mlm_params
+        self.glove = glove
+        vocab = tokenizer.get_vocab()
+        self.id2tok = {i: t for t, i in vocab.items()}
+        special = set(tokenizer.all_special_ids)
+        # Only whole, alphabetic, non-special vocab entries can replace a word.
+        ok = np.zeros(max(vocab.values()) + 1, bool)
+        for t, i in vocab.items():
+            ok[i] = i not in special and t.isalpha() and not t.startswith("##")
+        self.whole_word = ok
+        self.mask_id = tokenizer.mask_token_id
+
+        def top(params, ids, mask, pos):
+            out = mlm_model.apply({"params": params}, ids, mask, None, deterministic=True)
+            logits = out.logits[jax.numpy.arange(ids.shape[0]), pos]  # [B, V]
+            logits = jax.numpy.where(self._ok_dev, logits, -jax.numpy.inf)
+            return jax.lax.top_k(logits, self.K + 16)[1]
+
+        v = mlm_model.config.vocab_size
+        ok_dev = np.zeros(v, bool)
+        ok_dev[:min(v, len(ok))] = ok[:v]
+        self._ok_dev = jax.numpy.asarray(ok_dev)
+        self._top = jax.jit(top)
+        self._emb_table = None
+
+    # -- candidates -------------------------------------------------------------------------
+    def _word_pieces(self, words: Sequence[str]) -> Dict[str, List[int]]:
+        uniq = sorted(set(words))
+        enc = self.tok(uniq, add_special_tokens=False, return_attention_mask=False,
+                       return_token_type_ids=False, verbose=False)["input_ids"] if uniq else []
+        return dict(zip(uniq, enc))
+
+    def _mlm_candidates(self, requests: List[Tuple[List[List[int]], int, str]]) -> List[List[str]]:
+        """requests: (pieces of every word of the sentence, word index, word). One forward per
+        batch of `batch_size` masked sentences."""
+        seqs, poss = [], []
+        for pieces, idx, _ in requests:
+            left = [t for w in pieces[:idx] for t in w]
+            right = [t for w in pieces[idx + 1:] for t in w]
+            room = self.max_seq_len - 3
+            if len(left) + len(right) > room:  # keep a window around the mask
+                keep_l = min(len(left), max(room // 2, room - len(right)))
+                left, right = left[len(left) - keep_l:], right[:room - keep_l]
+            seqs.append([self.tok.cls_token_id] + left + [self.mask_id] + right
+                        + [self.tok.sep_token_id])
+            poss.append(len(left) + 1)
+        out: List[Optional[List[str]]] = [None] * len(seqs)
+        lens = np.array([len(s) for s in seqs])
+        bucket = np.searchsorted(np.array(self.buckets), lens)
+        for bi, T in enumerate(self.buckets):
+            rows = np.flatnonzero(bucket == bi)
+            for s in range(0, len(rows), self.batch_size):
+                chunk = rows[s:s + self.batch_size]
+                ids = np.zeros((self.batch_size, T), np.int32)
+                mask = np.zeros((self.batch_size, T), np.int32)
+                pos = np.zeros(self.batch_size, np.int32)
+                mask[:, 0] = 1
+                for r, j in enumerate(chunk):
+                    ids[r, :lens[j]] = seqs[j]
+                    mask[r, :lens[j]] = 1
+                    pos[r] = poss[j]
+                top = np.asarray(self._top(self.params, ids, mask, pos))
+                for r, j in enumerate(chunk):
+                    word = requests[j][2].lower()
+                    cands = [self.id2tok[int(t)] for t in top[r]]
+                    out[j] = self._filter(cands, requests[j][2])
+        return out
+
+    def _embedding_table(self) -> EmbeddingTable:
+        if self.glove is not None:
+            return self.glove
+        if self._emb_table is None:
+            emb = np.asarray(self.params["bert"]["embeddings"]["word_embeddings"]["embedding"])
+            ids = np.flatnonzero(self.whole_word[:emb.shape[0]])
+            self._emb_table = EmbeddingTable([self.id2tok[int(i)] for i in ids], emb[ids])
+        return self._emb_table
+
+    def _embedding_candidates(self, words: List[str], pieces: Dict[str, List[int]]
+                              ) -> Dict[str, List[str]]:
+        table = self._embedding_table()
+        uniq = sorted(set(words))
+        if self.glove is not None:
+            uniq = [w for w in uniq if w.lower() in table.index or w in table.index]
+            q = np.stack([table.vectors[table.index.get(w.lower(), table.index.get(w))]
+                          for w in uniq]) if uniq else np.zeros((0, 1))
+        else:
+            emb = np.asarray(self.params["bert"]["embeddings"]["word_embeddings"]["embedding"])
+            q = np.stack([emb[pieces[w]].mean(0) for w in uniq]) if uniq else np.zeros((0, 1))
+        nn = table.neighbours(q, self.K + 16, [[w] for w in uniq]) if uniq else []
+        return {w: self._filter(c, w) for w, c in zip(uniq, nn)}
+
+    def _filter(self, cands: Sequence[str], word: str) -> List[str]:
+        """Drops the word itself, non-alphabetic entries and, for an ASCII word, non-ASCII
+        ones (e.g. stray CJK characters of a multilingual-ish vocab); keeps the first K."""
+        w = word.lower()
+        ascii_only = word.isascii()
+        return [c for c in cands if c.lower() != w and c.isalpha()
+                and (c.isascii() or not ascii_only)][:self.K]
+
+    def candidates(self, sentences: Sequence[str]) -> List[Dict[int, List[str]]]:
+        """For each sentence: {word index: candidate replacements (<= K)} over its eligible
+        words. All MLM queries of all sentences are batched together."""
+        split = [s.split() for s in sentences]
+        pieces = self._word_pieces([w for ws in split for w in ws])
+        requests, where, multi = [], [], []
+        for si, ws in enumerate(split):
+            for wi, w in enumerate(ws):
+                if not is_candidate_word(w) or not pieces[w]:
+                    continue
+                if len(pieces[w]) == 1:
+                    requests.append(([pieces[x] for x in ws], wi, w))
+                    where.append((si, wi))
+                else:
+                    multi.append((si, wi, w))
+        result: List[Dict[int, List[str]]] = [{} for _ in split]
+        if requests:
+            for (si, wi), c in zip(where, self._mlm_candidates(requests)):
+                if c:
+                    result[si][wi] = [_match_case(x, split[si][wi]) for x in c]
+        if multi:
+            nn = self._embedding_candidates([w for _, _, w in multi], pieces)
+            for si, wi, w in multi:
+                c = nn.get(w)
+                if c:
+                    result[si][wi] = [_match_case(x, w) for x in c]
+        return result
+
+    # -- sampling ---------------------------------------------------------------------------
+    def sample(self, sentence: str, cands: Dict[int, List[str]], rng: np.random.Generator
+               ) -> List[str]:
+        """Up to N augmented versions of `sentence` (deduplicated, original excluded, when
+        `dedupe`)."""
+        words = sentence.split()
+        seen = {" ".join(words)}
+        out = []
+        keys = sorted(cands)
+        for _ in range(self.N):
+            new = list(words)
+            for wi in keys:
+                choice = cands[wi][int(rng.integers(len(cands[wi])))]
+                if rng.random() < self.p:
+                    new[wi] = choice
+            s = " ".join(new)
+            if self.dedupe:
+                if s in seen:
+                    continue
+                seen.add(s)
+            out.append(s)
+        return out
+
+    def augment_sentences(self, sentences: Sequence[str], keys: Sequence[Tuple[int, int]]
+                          ) -> List[List[str]]:
+        """Augments `sentences`; `keys[i]` = (row, column) seeds sentence i's random stream."""
+        cands = self.candidates(sentences)
+        return [self.sample(s, c, np.random.default_rng([self.seed, r, col]))
+                for s, c, (r, col) in zip(sentences, cands, keys)]
+
+    def augment_tsv(self, task, in_path: str, out_path: str, chunk_rows: int = 512) -> Dict:
+        """Reads a GLUE TSV, writes the augmented TSV (header kept; each original row followed by
+        its augmented rows) atomically. Returns counts."""
+        spec = glue.get_task(task)
+        glue.read_tsv_split(spec, "train", in_path)  # validates the whole file first
+        with open(in_path, encoding="utf-8-sig", newline="") as f:
+            rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+        header = [rows.pop(0)] if spec.has_header else []
+        cols = [c for c in (spec.text_a_col, spec.text_b_col) if c is not None]
+        d = os.path.dirname(os.path.abspath(out_path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tsv", dir=d)
+        n_out = 0
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+                for h in header:
+                    f.write("\t".join(h) + "\n")
+                for s in range(0, len(rows), chunk_rows):
+                    block = rows[s:s + chunk_rows]
+                    sents, keys = [], []
+                    for r, row in enumerate(block, start=s):
+                        for c in cols:
+                            sents.append(row[c])
+                            keys.append((r, c))
+                    aug = iter(self.augment_sentences(sents, keys))
+                    for row in block:
+                        f.write("\t".join(row) + "\n")
+                        n_out += 1
+                        for c in cols:
+                            for new in next(aug):
+                                new_row = list(row)
+                                new_row[c] = new
+                                f.write("\t".join(new_row) + "\n")
+                                n_out += 1
+                    log.info("augmented %d / %d rows", min(s + chunk_rows, len(rows)), len(rows))
+            os.replace(tmp, out_path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return {"rows_in": len(rows), "rows_out": n_out}
+
+
+def _main(argv=None):
+    ap = argparse.ArgumentParser(description="TinyBERT data augmentation -> <out>/train_aug.tsv")
+    ap.add_argument("--task", required=True)
+    ap.add_argument("--glue_dir", required=True, help="GLUE folder (<glue_dir>/<Task>/train.tsv)")
+    ap.add_argument("--mlm", required=True,
+                    help="HF BERT masked-LM folder or hub name (e.g. bert-base-uncased)")
+    ap.add_argument("--out", required=True, help="output folder (default: the task folder)")
+    ap.add_argument("--glove_path", default=None, help="GloVe .txt; default: MLM embeddings")
+    ap.add_argument("--glove_max_words", type=int, default=None)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --mlm)")
+    ap.add_argument("--N", type=int, default=20)
+    ap.add_argument("--K", type=int, default=15)
+    ap.add_argument("--p", type=float, default=0.4)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--max_seq_len", type=int, default=128)
+    ap.add_argument("--batch_size", type=int, default=64)
+    ap.add_argument("--no_dedupe", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    from jax_tinybert.data.tokenize import load_tokenizer
+    from jax_tinybert.hf import load_pretrained
+    from jax_tinybert.modeling import BertForMaskedLM
+
+    spec = glue.get_task(args.task)
+    tok = load_tokenizer(args.tokenizer or args.mlm)
+    config, params = load_pretrained(args.mlm, mlm_head=True)
+    glove = EmbeddingTable.from_glove(args.glove_path, args.glove_max_words) if args.glove_path else None
+    aug = Augmenter(tok, BertForMaskedLM(config), params, glove=glove, N=args.N, K=args.K, p=args.p,
+                    seed=args.seed, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
+                    dedupe=not args.no_dedupe)
+    out = os.path.join(args.out, "train_aug.tsv")
+    stats = aug.augment_tsv(spec, glue.tsv_path(args.glue_dir, spec, "train"), out)
+    log.info("wrote %s: %d rows from %d", out, stats["rows_out"], stats["rows_in"])
+
+
+if __name__ == "__main__":
+    _main()
