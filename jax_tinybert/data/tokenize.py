@@ -2,7 +2,9 @@
 
 Pieces are produced by an HF fast tokenizer in batches (Rust, multi-threaded); [CLS]/[SEP]
 assembly and longest-first truncation happen here, so the number of truncated sequences is
-known exactly (the official `_truncate_seq_pair` rule: pop from the longer side, from b on ties).
+known exactly. Truncation follows the official BERT/TinyBERT `_truncate_seq_pair` (pop from the
+longer side, from b on ties); HF's Rust "longest_first" differs only on an odd budget split
+between two long sides, where it gives the extra token to b instead of a.
 """
 from __future__ import annotations
 
@@ -173,8 +175,15 @@ def encode_examples(tokenizer, spec, examples: Sequence[glue.Example], max_len: 
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of the tokenizer's full definition (vocab, normalizer, special tokens)."""
+    import json
+
+    # The backend JSON also records the last call's truncation/padding settings: not part of
+    # the tokenizer's identity, and they change with use.
+    d = json.loads(tokenizer.backend_tokenizer.to_str())
+    d.pop("truncation", None)
+    d.pop("padding", None)
     h = hashlib.sha256()
-    h.update(tokenizer.backend_tokenizer.to_str().encode("utf-8"))
+    h.update(json.dumps(d, sort_keys=True).encode("utf-8"))
     h.update(repr(sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
     return h.hexdigest()
 
