@@ -1,0 +1,473 @@
+"""Checkpoints: orbax-checkpoint 0.12 `CheckpointManager` behind one small class.
+
+Layout under `workdir`::
+
+    workdir/checkpoints/<step>/{state,meta}/   the last `max_to_keep` periodic saves
+    workdir/checkpoints/corrupt_<step>/        a newest save found unreadable, moved aside
+    workdir/best/<step>/{state,meta,metrics}/  the best save by a dev metric (kept apart, so
+                                              pruning of the periodic saves never touches it)
+
+Each save holds `state` (a pytree of jax arrays, e.g. `TrainState`; arrays may be sharded
+`NamedSharding` arrays spread over several processes) and `meta` (a JSON dict: data iterator
+position, config fingerprint, metrics...).
+
+Use from the training loop (every process runs the same calls; orbax decides who writes)::
+
+    ckpt = Checkpointer(workdir, max_to_keep=3, save_interval_steps=1000,
+                        best_metric="accuracy", best_mode="max")
+    ckpt.install_sigterm_handler()               # optional: SIGTERM -> stop flag
+    restored = ckpt.restore_latest(abstract_state)  # None on a fresh run
+    if restored is not None:
+        step, state, meta = restored
+    for step in ...:
+        state, metrics = train_step(state, batch)
+        ckpt.maybe_save(step, state, meta)       # async; only every save_interval_steps
+        if eval_now:
+            ckpt.save_best(step, state, meta, dev_accuracy)  # kept only if better
+        if ckpt.should_stop(step):               # collective: call at every step, all processes
+            ckpt.save(step, state, meta, force=True)
+            ckpt.close()                         # waits for the async write
+            sys.exit(0)
+    ckpt.save(last_step, state, meta, force=True)
+    ckpt.close()
+
+`abstract_state` is a pytree shaped like the state whose leaves are
+`jax.ShapeDtypeStruct(shape, dtype, sharding=...)` (concrete arrays are accepted too; their
+shape/dtype/sharding are used). The sharding given is the one the arrays are restored onto,
+so a state saved on 8 devices restores onto 1 device or onto another mesh.
+
+Returned values: `restore_latest` / `restore_best` -> `(step, state, meta)` or `None` when
+there is no checkpoint. A newest checkpoint that cannot be read (files missing or garbled,
+an unfinished step directory) is skipped with a `logging.warning` naming its step and moved
+to `checkpoints/corrupt_<step>` once an older one has been read successfully; if no
+checkpoint can be read at all, nothing is moved and the newest error is raised (a state
+that no longer matches the saved one, e.g. after a config change, fails that way instead of
+silently discarding good checkpoints).
+
+See docs/checkpoints.md for resume, preemption, corrupt fallback and mesh changes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Checkpointer", "abstract_like"]
+
+# Coordination-service timeout for our own barriers (stop agreement, restore agreement).
+# Generous: a slow host may still be finishing a step or a restore when the others arrive.
+_BARRIER_TIMEOUT_MS = 10 * 60 * 1000
+
+
+def _json_default(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (np.ndarray, jax.Array)):
+        return np.asarray(x).tolist()
+    if isinstance(x, (set, frozenset)):
+        return sorted(x)
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    raise TypeError(f"meta value of type {type(x).__name__} is not JSON serialisable: {x!r}")
+
+
+def _to_json(meta: Mapping[str, Any] | None) -> dict:
+    # Round trip now so a bad value fails in the caller's thread, not in orbax's writer.
+    return json.loads(json.dumps(dict(meta or {}), default=_json_default))
+
+
+def abstract_like(tree, sharding=None):
+    """Pytree of `jax.ShapeDtypeStruct` for `tree` (arrays or ShapeDtypeStructs).
+
+    `sharding`: None keeps each leaf's own sharding (a leaf without one gets the first local
+    device); a `jax.sharding.Sharding` applies to every leaf; a pytree of shardings matching
+    `tree` gives one per leaf.
+    """
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def one(x, s=None):
+        s = s if s is not None else getattr(x, "sharding", None)
+        if s is None:
+            s = default
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, sharding), tree)
+    return jax.tree.map(one, tree, sharding)
+
+
+class Checkpointer:
+    """Periodic + best checkpoints of `(state, meta)` with corrupt fallback and preemption.
+
+    Args:
+      workdir: run directory; checkpoints go to `workdir/checkpoints`, the best to `workdir/best`.
+      max_to_keep: periodic checkpoints kept (oldest pruned first). None keeps all.
+      save_interval_steps: `maybe_save` writes when `step % save_interval_steps == 0`.
+      keep_best: keep the best checkpoint by `save_best`'s metric in `workdir/best`.
+      best_metric: the metric's name (stored with the best checkpoint; informational).
+      best_mode: "max" or "min".
+      async_save: write in a background thread; `wait()` / `close()` block until done.
+      stop_check_every: in multi-process runs `should_stop` agrees across processes only on
+        steps that are multiples of this (each agreement is one barrier on the coordination
+        service); single-process runs check the flag at every step for free.
+    """
+
+    def __init__(self, workdir, *, max_to_keep: int | None = 3, save_interval_steps: int = 1000,
+                 keep_best: bool = True, best_metric: str | None = None, best_mode: str = "max",
+                 async_save: bool = True, stop_check_every: int = 1):
+        if best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
+        if save_interval_steps < 1 or stop_check_every < 1:
+            raise ValueError("save_interval_steps and stop_check_every must be >= 1")
+        self.workdir = epath.Path(workdir)
+        self.save_interval_steps = int(save_interval_steps)
+        self.keep_best = keep_best
+        self.best_metric = best_metric or "metric"
+        self.best_mode = best_mode
+        self.stop_check_every = int(stop_check_every)
+        self._async = async_save
+        # Per-run namespace for our coordination-service keys, so two Checkpointers in one
+        # job (e.g. two distillation stages) never share a barrier.
+        self._ns = "jtb_ckpt_" + hashlib.sha1(os.fspath(self.workdir).encode()).hexdigest()[:10]
+        self._sync_counter = 0
+        self._pending_delete: list[str] = []
+        self._stop_flag = threading.Event()   # set by the signal handler / request_stop
+        self._stopping = False                # sticky result of the agreement
+        self._checked: dict[int, bool] = {}
+        self._prev_sigterm = None
+
+        self._mngr = self._make_manager(
+            self.workdir / "checkpoints",
+            max_to_keep=max_to_keep,
+            # No InitialSavePolicy: saves happen exactly on the interval (or when forced), so
+            # the loop's behaviour does not depend on whether the directory was empty.
+            save_decision_policy=ocp.checkpoint_managers.AnySavePolicy([
+                ocp.checkpoint_managers.FixedIntervalPolicy(self.save_interval_steps),
+                ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+            ]),
+        )
+        self._best_mngr = None
+        self._best_value: float | None = None
+        if keep_best:
+            name = self.best_metric
+            self._best_mngr = self._make_manager(
+                self.workdir / "best", max_to_keep=1, best_fn=lambda m: float(m[name]),
+                best_mode=best_mode, keep_checkpoints_without_metrics=False)
+            self._best_value = self._read_best_value()
+
+    # ------------------------------------------------------------------ construction
+    def _make_manager(self, directory, **options):
+        opts = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=self._async, create=True, **options)
+        return ocp.CheckpointManager(directory, options=opts, item_names=("state", "meta"))
+
+    def _read_best_value(self):
+        step = self._best_mngr.best_step()
+        if step is None:
+            return None
+        try:
+            m = self._best_mngr.metrics(step)
+            return None if m is None else float(m[self.best_metric])
+        except Exception as e:  # noqa: BLE001 - an unreadable metric must not stop training
+            log.warning("could not read the best metric of %s step %d (%s); the next "
+                        "save_best will replace it", self._best_mngr.directory, step, e)
+            return None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def directory(self) -> epath.Path:
+        return self._mngr.directory
+
+    @property
+    def best_directory(self) -> epath.Path | None:
+        return None if self._best_mngr is None else self._best_mngr.directory
+
+    @property
+    def best_value(self) -> float | None:
+        return self._best_value
+
+    @property
+    def preempted(self) -> bool:
+        """This process got SIGTERM (or `request_stop`). Local only; see `should_stop`."""
+        return self._stop_flag.is_set()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def best_step(self) -> int | None:
+        return None if self._best_mngr is None else self._best_mngr.best_step()
+
+    # ------------------------------------------------------------------ saving
+    @staticmethod
+    def _args(state, meta):
+        return ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  meta=ocp.args.JsonSave(_to_json(meta)))
+
+    def maybe_save(self, step: int, state, meta: Mapping[str, Any] | None = None) -> bool:
+        """Save if `step` is on the save interval. Returns whether a save was started."""
+        return self.save(step, state, meta, force=False)
+
+    def save(self, step: int, state, meta: Mapping[str, Any] | None = None, *,
+             force: bool = True) -> bool:
+        """Start a (possibly async) save of `state` + `meta` at `step`.
+
+        `force=True` saves regardless of the interval. A step that already has a checkpoint is
+        not overwritten (returns False), so `save(step, ..., force=True)` right after a
+        `maybe_save` of the same step is harmless. Blocks only while a previous async save is
+        still being written, and for the device-to-host copy of `state`.
+        """
+        step = int(step)
+        if step in self._mngr.all_steps():
+            return False
+        saved = self._mngr.save(step, args=self._args(state, meta), force=force)
+        if saved:
+            log.info("checkpoint step %d -> %s%s", step, self.directory,
+                     " (async)" if self._async else "")
+        return bool(saved)
+
+    def is_better(self, metric: float) -> bool:
+        if self._best_value is None:
+            return bool(np.isfinite(metric))
+        return metric > self._best_value if self.best_mode == "max" else metric < self._best_value
+
+    def save_best(self, step: int, state, meta: Mapping[str, Any] | None, metric: float) -> bool:
+        """Save to `workdir/best` if `metric` beats the best so far (per `best_mode`).
+
+        Returns whether it was saved. Every process must pass the same `metric` (metrics
+        computed by the jitted eval step are global, so they are).
+        """
+        if self._best_mngr is None:
+            return False
+        metric = float(metric)
+        step = int(step)
+        if not self.is_better(metric) or step in self._best_mngr.all_steps():
+            return False
+        meta = dict(_to_json(meta))
+        meta.setdefault("best", {"metric": self.best_metric, "value": metric, "step": step})
+        saved = self._best_mngr.save(step, args=self._args(state, meta),
+                                     metrics={self.best_metric: metric}, force=True)
+        if saved:
+            log.info("best checkpoint step %d (%s=%.6g, previous %s) -> %s", step,
+                     self.best_metric, metric, self._best_value, self.best_directory)
+            self._best_value = metric
+        return bool(saved)
+
+    def wait(self):
+        """Block until every started save is fully written (and old ones pruned)."""
+        self._mngr.wait_until_finished()
+        if self._best_mngr is not None:
+            self._best_mngr.wait_until_finished()
+
+    def close(self):
+        """`wait()`, then release orbax's threads. Also restores the previous SIGTERM handler."""
+        self.wait()
+        self._mngr.close()
+        if self._best_mngr is not None:
+            self._best_mngr.close()
+        self.uninstall_sigterm_handler()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ restoring
+    def restore_latest(self, abstract_state):
+        """`(step, state, meta)` of the newest readable periodic checkpoint, or None."""
+        return self._restore_first_good(self._mngr, sorted(self._mngr.all_steps(), reverse=True),
+                                        abstract_state)
+
+    def restore_best(self, abstract_state):
+        """`(step, state, meta)` of the best checkpoint, or None (also when keep_best=False)."""
+        if self._best_mngr is None:
+            return None
+        best = self._best_mngr.best_step()
+        steps = [] if best is None else [best]
+        steps += [s for s in sorted(self._best_mngr.all_steps(), reverse=True) if s != best]
+        return self._restore_first_good(self._best_mngr, steps, abstract_state)
+
+    def restore(self, step: int, abstract_state, *, best: bool = False):
+        """`(step, state, meta)` of exactly `step` (no fallback; errors propagate)."""
+        mngr = self._best_mngr if best else self._mngr
+        r = mngr.restore(int(step), args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_like(abstract_state)),
+            meta=ocp.args.JsonRestore()))
+        return int(step), r["state"], dict(r["meta"] or {})
+
+    def _restore_first_good(self, mngr, steps, abstract_state):
+        if not steps:
+            return None
+        abstract = abstract_like(abstract_state)
+        bad: list[tuple[int, BaseException]] = []
+        for step in steps:
+            err = None
+            try:
+                r = mngr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint -> try older
+                err = e
+                _release_orbax_restore_barrier()
+            # All processes must take the same branch, or they would restore different steps
+            # and hang in the next collective.
+            if not self._any_process(err is not None, f"restore_{step}"):
+                if bad:
+                    self._quarantine(mngr, [s for s, _ in bad])
+                return step, r["state"], dict(r["meta"] or {})
+            if err is None:
+                err = RuntimeError("another process could not read this checkpoint")
+            log.warning("checkpoint step %d in %s is unreadable (%s: %s); falling back to an "
+                        "earlier checkpoint", step, mngr.directory, type(err).__name__,
+                        str(err).splitlines()[0][:300] if str(err) else "")
+            bad.append((step, err))
+        first_step, first_err = bad[0]
+        raise RuntimeError(
+            f"no checkpoint in {mngr.directory} could be restored (tried steps "
+            f"{[s for s, _ in bad]}). If the state's structure changed (config change), this is "
+            f"expected: use a new workdir. If step {first_step} is corrupt, move it aside.") \
+            from first_err
+
+    def _quarantine(self, mngr, steps):
+        """Move unreadable step directories aside (kept for inspection, out of orbax's view)."""
+        if jax.process_index() == 0:
+            for step in steps:
+                src = mngr.directory / str(step)
+                if not src.exists():
+                    continue
+                dst = mngr.directory / f"corrupt_{step}"
+                n = 1
+                while dst.exists():
+                    dst = mngr.directory / f"corrupt_{step}_{n}"
+                    n += 1
+                src.rename(dst)
+                log.warning("moved unreadable checkpoint step %d to %s", step, dst)
+        self._barrier("quarantine")
+        mngr.reload()
+
+    # ------------------------------------------------------------------ preemption
+    def install_sigterm_handler(self):
+        """On SIGTERM set the stop flag (nothing else: the loop saves at a safe point).
+
+        Call from the main thread. It replaces the previous SIGTERM handler, including the
+        one JAX's preemption service installs in `jax.distributed.initialize`; agreement
+        across processes is then done by `should_stop`. `close()` puts the old one back.
+        """
+        def handler(signum, frame):
+            # Only an Event.set here: handlers run between bytecodes of the main thread,
+            # which may be inside orbax or jax; logging or I/O from here could deadlock.
+            self._stop_flag.set()
+
+        prev = signal.signal(signal.SIGTERM, handler)
+        if self._prev_sigterm is None:
+            self._prev_sigterm = prev
+
+    def uninstall_sigterm_handler(self):
+        if self._prev_sigterm is not None:
+            try:
+                signal.signal(signal.SIGTERM, self._prev_sigterm)
+            except (ValueError, TypeError):  # not the main thread / handler from C
+                pass
+            self._prev_sigterm = None
+
+    def request_stop(self):
+        """Ask to stop as if SIGTERM had arrived (e.g. a wall-clock budget ran out)."""
+        self._stop_flag.set()
+
+    def should_stop(self, step: int) -> bool:
+        """True when the job should save and exit at this step; the same on all processes.
+
+        Call it at every step, on every process, with the same `step`. Single process: the
+        local flag. Several processes: on steps that are multiples of `stop_check_every`,
+        each process with the flag set writes a key to JAX's coordination service, all meet at
+        a barrier, and all read the keys, so a SIGTERM that reached one host stops every host
+        at the same step. JAX's own preemption sync point (orbax's `reached_preemption`) is
+        honoured too, for jobs that leave JAX's SIGTERM handler in place.
+        """
+        step = int(step)
+        if self._stopping:
+            return True
+        if step in self._checked:
+            return self._checked[step]
+        stop = self._mngr.reached_preemption(step)
+        if jax.process_count() == 1:
+            stop = stop or self._stop_flag.is_set()
+        elif step % self.stop_check_every == 0:
+            stop = self._any_process(self._stop_flag.is_set(), f"stop_{step}") or stop
+        self._checked = {step: stop}
+        if stop:
+            self._stopping = True
+            log.warning("stopping at step %d (preemption / stop request)", step)
+        return stop
+
+    # ------------------------------------------------------------------ multi-process sync
+    def _client(self):
+        from jax._src import distributed  # the coordination-service client; no public handle
+
+        client = distributed.global_state.client
+        if client is None:
+            raise RuntimeError("several JAX processes but no jax.distributed client")
+        return client
+
+    def _barrier(self, tag: str):
+        if jax.process_count() == 1:
+            return
+        self._sync_counter += 1
+        self._client().wait_at_barrier(f"{self._ns}_{tag}_{self._sync_counter}",
+                                       _BARRIER_TIMEOUT_MS)
+
+    def _any_process(self, flag: bool, tag: str) -> bool:
+        """Logical OR of `flag` over all processes, through the coordination service.
+
+        Host-side only (no device computation), so it never waits for queued device work.
+        """
+        if jax.process_count() == 1:
+            return bool(flag)
+        client = self._client()
+        self._sync_counter += 1
+        key = f"{self._ns}/{tag}_{self._sync_counter}/"
+        if flag:
+            client.key_value_set(key + str(jax.process_index()), "1", allow_overwrite=True)
+        client.wait_at_barrier(f"{self._ns}_{tag}_{self._sync_counter}", _BARRIER_TIMEOUT_MS)
+        result = bool(client.key_value_dir_get(key))
+        # Everyone has read the previous round's keys before reaching this round's barrier, so
+        # they can go now; without this the coordination service keeps one key per SIGTERM'd
+        # process per step for the rest of the run.
+        for k in self._pending_delete:
+            try:
+                client.key_value_delete(k)
+            except Exception:  # noqa: BLE001 - cleanup only
+                pass
+        self._pending_delete = [key + str(jax.process_index())] if flag else []
+        return result
+
+
+def _release_orbax_restore_barrier():
+    """After a failed restore, meet the other processes at orbax's end-of-restore barrier.
+
+    orbax's `Checkpointer.restore` ends with a global barrier named "Checkpointer:restore".
+    A process whose read failed raised before it, so processes whose read succeeded would
+    wait there forever. Joining it from the failing process lets everyone reach our own
+    agreement step. Single-process runs skip it.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    try:
+        multihost_utils.sync_global_devices("Checkpointer:restore")
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not join orbax's restore barrier after a failed restore: %s", e)
