@@ -1,0 +1,402 @@
+"""Checkpointer: exact round trip, retention, corrupt fallback, mesh change, async exit,
+SIGTERM, and a 2-process x 4-device save/restore with a one-host SIGTERM."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jax_tinybert.checkpoints import Checkpointer, abstract_like
+from jax_tinybert.train_state import TrainState
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SUB_TIMEOUT = 120
+
+
+def make_state(seed=0, step=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    params = {
+        "student": {"dense": {"kernel": jax.random.normal(k[0], (16, 8)),
+                              "bias": jax.random.normal(k[1], (8,))},
+                    "emb": jax.random.normal(k[2], (32, 4)).astype(jnp.bfloat16)},
+        "proj": {},
+    }
+    tx = optax.adam(1e-2)
+    st = TrainState.create(params, tx, jax.random.key(seed + 1))
+    # A non-trivial optimiser state: a couple of updates.
+    for _ in range(2):
+        g = jax.tree.map(lambda p: jnp.ones_like(p), st.params)
+        upd, opt = tx.update(g, st.opt_state, st.params)
+        st = st.replace(params=optax.apply_updates(st.params, upd), opt_state=opt)
+    return st.replace(step=jnp.asarray(step, jnp.int32))
+
+
+def bump(st, s):
+    return st.replace(step=jnp.asarray(s, jnp.int32),
+                      params=jax.tree.map(lambda x: x + jnp.asarray(s, x.dtype), st.params))
+
+
+def assert_tree_equal(a, b):
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+def run_sub(code, *args, devices=1, timeout=SUB_TIMEOUT, extra_env=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(extra_env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                          env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_save_restore_exact(tmp_path, async_save):
+    st = make_state(step=7)
+    meta = {"data": {"epoch": 1, "position": np.int64(123)}, "fingerprint": "abc",
+            "metrics": {"loss": np.float32(0.5)}}
+    c = Checkpointer(tmp_path, save_interval_steps=5, async_save=async_save)
+    assert c.restore_latest(abstract_like(st)) is None
+    assert c.maybe_save(7, st, meta) is False          # off the interval
+    assert c.save(7, st, meta, force=True) is True
+    assert c.save(7, st, meta, force=True) is False     # never overwrites
+    c.close()
+
+    c2 = Checkpointer(tmp_path)
+    step, got, got_meta = c2.restore_latest(abstract_like(st))
+    c2.close()
+    assert step == 7
+    assert isinstance(got, TrainState)
+    assert_tree_equal(got, st)
+    assert got_meta == {"data": {"epoch": 1, "position": 123}, "fingerprint": "abc",
+                        "metrics": {"loss": 0.5}}
+
+
+def test_keep_last_n_and_best_survives(tmp_path):
+    st = make_state()
+    c = Checkpointer(tmp_path, max_to_keep=2, save_interval_steps=1, best_metric="acc")
+    dev = {2: 0.7, 3: 0.9, 4: 0.8, 6: 0.85}
+    for s in range(1, 8):
+        assert c.maybe_save(s, bump(st, s), {"s": s})
+        if s in dev:
+            c.save_best(s, bump(st, s), {"s": s}, dev[s])
+    c.wait()
+    assert c.all_steps() == [6, 7]
+    assert c.best_step() == 3 and c.best_value == 0.9
+    c.close()
+
+    c = Checkpointer(tmp_path, max_to_keep=2, save_interval_steps=1, best_metric="acc")
+    assert c.best_value == 0.9                            # survives a restart
+    assert not c.save_best(8, bump(st, 8), {}, 0.89)      # not better
+    step, got, meta = c.restore_best(abstract_like(st))
+    assert step == 3 and meta["s"] == 3 and meta["best"]["value"] == 0.9
+    assert_tree_equal(got, bump(st, 3))
+    assert c.save_best(9, bump(st, 9), {"s": 9}, 0.95)
+    c.wait()
+    assert [p.name for p in (tmp_path / "best").iterdir() if p.name.isdigit()] == ["9"]
+    c.close()
+
+
+def test_best_mode_min(tmp_path):
+    st = make_state()
+    with Checkpointer(tmp_path, best_metric="loss", best_mode="min") as c:
+        for s, loss in [(1, 2.0), (2, 1.0), (3, 1.5)]:
+            c.save_best(s, bump(st, s), {}, loss)
+        c.wait()
+        assert c.best_step() == 2
+        assert c.restore_best(st)[0] == 2
+
+
+def _corrupt(step_dir: pathlib.Path, how: str):
+    if how == "garbage_data":
+        files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+        assert files
+        for f in files:
+            f.write_bytes(os.urandom(max(f.stat().st_size, 16)))
+    elif how == "deleted_meta":
+        (step_dir / "meta" / "metadata").unlink()
+    elif how == "truncated_metadata":
+        f = step_dir / "state" / "_METADATA"
+        f.write_bytes(f.read_bytes()[:40])
+    elif how == "unfinished_dir":
+        # A step directory whose save never wrote anything (e.g. a copy cut short).
+        shutil.rmtree(step_dir)
+        step_dir.mkdir()
+    else:
+        raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["garbage_data", "deleted_meta", "truncated_metadata",
+                                 "unfinished_dir"])
+def test_corrupt_newest_falls_back(tmp_path, caplog, how):
+    st = make_state()
+    with Checkpointer(tmp_path, save_interval_steps=1) as c:
+        for s in (1, 2, 3):
+            c.maybe_save(s, bump(st, s), {"s": s})
+    _corrupt(tmp_path / "checkpoints" / "3", how)
+    # An orbax temporary directory (a save killed mid-write) must be ignored too.
+    (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)
+
+    c = Checkpointer(tmp_path, save_interval_steps=1)
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.checkpoints"):
+        step, got, meta = c.restore_latest(abstract_like(st))
+    assert step == 2 and meta == {"s": 2}
+    assert_tree_equal(got, bump(st, 2))
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("step 3" in m and "unreadable" in m for m in msgs), msgs
+    # Moved aside, not deleted, and out of the way of the resumed run's next save of step 3.
+    assert (tmp_path / "checkpoints" / "corrupt_3").is_dir()
+    assert c.all_steps() == [1, 2]
+    assert c.save(3, bump(st, 3), {"s": 3})
+    c.close()
+    c = Checkpointer(tmp_path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.checkpoints"):
+        assert c.restore_latest(st)[0] == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    c.close()
+
+
+def test_nothing_readable_raises_and_moves_nothing(tmp_path):
+    st = make_state()
+    with Checkpointer(tmp_path, save_interval_steps=1) as c:
+        c.maybe_save(1, st, {})
+        c.maybe_save(2, st, {})
+    other = st.replace(params={"student": {"w": jnp.zeros((3,))}, "proj": {}})  # changed config
+    c = Checkpointer(tmp_path)
+    with pytest.raises(RuntimeError, match="no checkpoint"):
+        c.restore_latest(abstract_like(other))
+    assert c.all_steps() == [1, 2]
+    assert not list((tmp_path / "checkpoints").glob("corrupt_*"))
+    c.close()
+
+
+def test_should_stop_single_process(tmp_path):
+    with Checkpointer(tmp_path) as c:
+        assert not c.should_stop(1) and not c.preempted
+        c.request_stop()
+        assert c.preempted and c.should_stop(2) and c.should_stop(3)
+
+
+# ---------------------------------------------------------------------------- subprocesses
+
+_STATE_CODE = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax_tinybert.train_state import TrainState
+
+def sharded_state(mesh):
+    # FSDP-style: the big kernel is split over 'data' along dim 0, the rest replicated.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    rows = NamedSharding(mesh, P("data"))
+    rep = NamedSharding(mesh, P())
+    kernel = jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8) / 8.0
+    params = {"student": {"dense": {"kernel": jax.device_put(kernel, rows),
+                                    "bias": jax.device_put(jnp.linspace(-1, 1, 8), rep)}},
+              "proj": {"w": jax.device_put(jnp.eye(8, dtype=jnp.bfloat16), rep)}}
+    tx = optax.adam(1e-2)
+    opt = jax.jit(tx.init)(params)
+    return TrainState(step=jnp.int32(0), params=params, opt_state=opt,
+                      rng=jax.device_put(jnp.array([1, 2], jnp.uint32), rep)), tx
+
+def host(tree):
+    from jax.experimental import multihost_utils
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+"""
+
+
+def _expected_sharded_state():
+    kernel = np.arange(64 * 8, dtype=np.float32).reshape(64, 8) / 8.0
+    return kernel
+
+
+def test_restore_8_devices_onto_1(tmp_path):
+    code = _STATE_CODE + """
+import sys
+from jax.sharding import Mesh
+from jax_tinybert.checkpoints import Checkpointer
+assert len(jax.devices()) == 8
+mesh = Mesh(np.array(jax.devices()), ("data",))
+st, _ = sharded_state(mesh)
+k = st.params["student"]["dense"]["kernel"]
+assert len(k.sharding.device_set) == 8 and k.addressable_shards[0].data.shape == (8, 8)
+st = st.replace(step=jnp.int32(5))
+with Checkpointer(sys.argv[1]) as c:
+    c.save(5, st, {"devices": 8})
+print("SAVED")
+"""
+    r = run_sub(code, tmp_path, devices=8)
+    assert r.returncode == 0 and "SAVED" in r.stdout, r.stderr[-3000:]
+
+    # Restore onto this process's single default device, from an abstract state built from
+    # an unsharded state of the same structure.
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = make_state()
+    params = {"student": {"dense": {"kernel": jnp.zeros((64, 8)), "bias": jnp.zeros(8)}},
+              "proj": {"w": jnp.zeros((8, 8), jnp.bfloat16)}}
+    like = TrainState(step=jnp.int32(0), params=params, opt_state=optax.adam(1e-2).init(params),
+                      rng=jnp.zeros(2, jnp.uint32))
+    with Checkpointer(tmp_path) as c:
+        step, got, meta = c.restore_latest(abstract_like(like, one))
+    assert step == 5 and meta == {"devices": 8} and int(got.step) == 5
+    k = got.params["student"]["dense"]["kernel"]
+    assert k.sharding == one
+    np.testing.assert_array_equal(np.asarray(k), _expected_sharded_state())
+    np.testing.assert_array_equal(np.asarray(got.params["proj"]["w"]), np.eye(8))
+    assert got.params["proj"]["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.rng), [1, 2])
+
+
+def test_async_save_then_exit_is_complete(tmp_path):
+    code = """
+import os, sys, jax, jax.numpy as jnp
+from jax_tinybert.checkpoints import Checkpointer
+c = Checkpointer(sys.argv[1], async_save=True)
+big = {"w": jnp.arange(2_000_000, dtype=jnp.float32), "s": jnp.int32(11)}
+assert c.save(11, big, {"ok": True})
+c.wait()
+os._exit(0)   # no interpreter shutdown, no atexit: wait() alone must have finished the write
+"""
+    r = run_sub(code, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    like = {"w": jnp.zeros(2_000_000, jnp.float32), "s": jnp.int32(0)}
+    with Checkpointer(tmp_path) as c:
+        step, got, meta = c.restore_latest(like)
+    assert step == 11 and meta == {"ok": True}
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(2_000_000, dtype=np.float32))
+
+
+def test_sigterm_sets_flag_then_loop_saves_and_exits(tmp_path):
+    code = """
+import os, signal, sys, jax.numpy as jnp
+from jax_tinybert.checkpoints import Checkpointer
+c = Checkpointer(sys.argv[1], save_interval_steps=100)
+c.install_sigterm_handler()
+state = {"x": jnp.zeros(4)}
+for step in range(1, 1000):
+    state = {"x": state["x"] + 1}
+    c.maybe_save(step, state, {"step": step})
+    if step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)    # the handler only sets the flag
+        assert c.preempted
+        assert c.latest_step() is None          # ... and saved nothing by itself
+    if c.should_stop(step):
+        c.save(step, state, {"step": step}, force=True)
+        c.close()
+        print("STOPPED", step)
+        sys.exit(0)
+sys.exit(3)
+"""
+    r = run_sub(code, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "STOPPED 5" in r.stdout
+    with Checkpointer(tmp_path) as c:
+        step, got, meta = c.restore_latest({"x": jnp.zeros(4)})
+    assert step == 5 and meta == {"step": 5}
+    np.testing.assert_array_equal(np.asarray(got["x"]), np.full(4, 5.0))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_sharded_save_restore_and_agreed_stop(tmp_path):
+    code = _STATE_CODE + """
+import json, os, signal, sys
+port, pid, workdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+from jax.sharding import Mesh
+from jax_tinybert.checkpoints import Checkpointer, abstract_like
+assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+mesh = Mesh(np.array(jax.devices()), ("data",))
+st, tx = sharded_state(mesh)
+
+@jax.jit
+def step_fn(st):
+    g = jax.tree.map(jnp.ones_like, st.params)
+    upd, opt = tx.update(g, st.opt_state, st.params)
+    return st.replace(step=st.step + 1, params=optax.apply_updates(st.params, upd), opt_state=opt)
+
+c = Checkpointer(workdir, save_interval_steps=4, max_to_keep=2)
+c.install_sigterm_handler()
+stop_step = None
+for step in range(1, 50):
+    st = step_fn(st)
+    c.maybe_save(step, st, {"step": step, "pid_independent": True})
+    if pid == 1 and step == 6:
+        os.kill(os.getpid(), signal.SIGTERM)    # preemption notice on one host only
+    if c.should_stop(step):
+        c.save(step, st, {"step": step, "pid_independent": True}, force=True)
+        c.wait()
+        stop_step = step
+        break
+ref = host(st)
+restored = c.restore_latest(abstract_like(st))
+rstep, rst, rmeta = restored
+k = rst.params["student"]["dense"]["kernel"]
+same_sharding = all(a.sharding == b.sharding for a, b in
+                    zip(jax.tree.leaves(rst), jax.tree.leaves(st)))
+got = host(rst)
+equal = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+checksum = float(sum(np.asarray(x, np.float64).sum() for x in jax.tree.leaves(got)))
+steps = c.all_steps()
+c.close()
+print("RESULT " + json.dumps(dict(stop_step=stop_step, rstep=rstep, meta=rmeta, equal=equal,
+      same_sharding=same_sharding, checksum=checksum, steps=steps,
+      preempted=c.preempted)), flush=True)
+jax.distributed.shutdown()
+"""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(port), str(i),
+                               str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=SUB_TIMEOUT)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    results = []
+    for rc, out, err in outs:
+        assert rc == 0, err[-4000:]
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert line, (out, err[-4000:])
+        results.append(json.loads(line[-1][len("RESULT "):]))
+    r0, r1 = results
+    # Both stop at the step where process 1 got SIGTERM, though process 0 never did.
+    assert r0["stop_step"] == r1["stop_step"] == 6
+    assert (r0["preempted"], r1["preempted"]) == (False, True)
+    for r in results:
+        assert r["rstep"] == 6 and r["meta"] == {"step": 6, "pid_independent": True}
+        assert r["equal"] and r["same_sharding"]
+        assert r["steps"] == [4, 6]
+    assert r0["checksum"] == r1["checksum"]
