@@ -1,0 +1,287 @@
+"""Named objectives on random model outputs: composition, options, errors, jit and caching.
+
+Real models run in test_oracle.py; here random BertOutputs keep the file fast."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from jax_tinybert import objectives as O
+from jax_tinybert.modeling import BertConfig, BertOutput
+
+B, T = 3, 7
+LENGTHS = (7, 5, 2)
+
+
+def cfg(layers, hidden, heads=2, labels=2):
+    return BertConfig(vocab_size=40, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, intermediate_size=2 * hidden,
+                      max_position_embeddings=16, num_labels=labels)
+
+
+S_CFG, T_CFG = cfg(2, 8), cfg(4, 12)
+
+
+def fake(config, seed, attention=True):
+    """A BertOutput of random arrays: objectives only read its fields, so no model is needed."""
+    r = np.random.default_rng(seed)
+    n, d, h = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+    a = lambda *shape: jnp.asarray(r.normal(size=shape), jnp.float32)
+    return BertOutput(hidden_states=tuple(a(B, T, d) for _ in range(n + 1)),
+                      attention_logits=tuple(a(B, h, T, T) if attention else None
+                                             for _ in range(n)),
+                      pooled=a(B, d), logits=2 * a(B, config.num_labels))
+
+
+def make_batch(seed=0, labels=2):
+    r = np.random.default_rng(seed)
+    mask = (np.arange(T)[None] < np.array(LENGTHS)[:, None]).astype(np.int32)
+    b = {"input_ids": (r.integers(1, 40, (B, T)) * mask).astype(np.int32),
+         "attention_mask": mask, "token_type_ids": np.zeros((B, T), np.int32),
+         "valid": np.ones(B, np.float32)}
+    b["labels"] = (r.normal(size=B).astype(np.float32) if labels == 1
+                   else r.integers(0, labels, B).astype(np.int32))
+    return b
+
+
+@pytest.fixture(scope="module")
+def outs():
+    batch = make_batch()
+    return batch, fake(S_CFG, 1), fake(T_CFG, 2)
+
+
+# --------------------------------------------------------------------------- numpy references
+
+def np_att(s, t, mask):
+    s, t = np.asarray(s, np.float64), np.asarray(t, np.float64)
+    pair = mask[:, None, :, None] * mask[:, None, None, :] * np.ones_like(s)
+    return (pair * (s - t) ** 2).sum() / pair.sum()
+
+
+def np_hid(s, t, mask):
+    s, t = np.asarray(s, np.float64), np.asarray(t, np.float64)
+    w = mask[:, :, None] * np.ones_like(s)
+    return (w * (s - t) ** 2).sum() / w.sum()
+
+
+def np_lsm(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+# --------------------------------------------------------------------------- errors
+
+def test_unknown_name_and_keys():
+    with pytest.raises(ValueError, match="tinybert_intermediate.*finetune"):
+        O.make_objective("tinybert", {}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match=r"(?s)unknown cfg key\(s\) \['temp'\].*temperature"):
+        O.make_objective("kd", {"temp": 2.0}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match="projection"):
+        O.make_objective("tinybert_intermediate", {"projection": "linear"}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match="mode"):
+        O.make_objective("kd", {"mode": "official"}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match="teacher_config"):
+        O.make_objective("kd", {}, S_CFG, None)
+    with pytest.raises(ValueError, match="num_labels"):
+        O.make_objective("kd", {}, S_CFG, cfg(4, 12, labels=3))
+
+
+def test_width_head_and_layer_errors():
+    with pytest.raises(ValueError, match="hidden_size=8 != teacher hidden_size=12.*'shared'"):
+        O.make_objective("tinybert_intermediate", {"projection": "none"}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        O.make_objective("tinybert_intermediate", {}, S_CFG, cfg(4, 12, heads=3))
+    # Without the attention term the head counts may differ.
+    obj = O.make_objective("tinybert_intermediate", {"w_attn": 0}, S_CFG, cfg(4, 12, heads=3))
+    assert obj.student_attention_layers == () == obj.teacher_attention_layers
+    with pytest.raises(ValueError, match="multiple of student layers"):
+        O.make_objective("tinybert_intermediate", {}, cfg(3, 8), T_CFG)
+    with pytest.raises(ValueError, match="layer_weights"):
+        O.make_objective("tinybert_intermediate", {"layer_weights": [1, 1]}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match="hidden_size=8 != teacher hidden_size=12"):
+        O.make_objective("pkd", {}, S_CFG, T_CFG)  # PKD has no projection by default
+
+
+def test_flags_and_layers():
+    i = O.make_objective("tinybert_intermediate", None, S_CFG, T_CFG)
+    assert (i.student_attention_layers, i.teacher_attention_layers) == ((1, 2), (2, 4))
+    assert i.needs_teacher and not i.teacher_cacheable
+    p = O.make_objective("tinybert_pred", {}, S_CFG, T_CFG)
+    assert p.needs_teacher and p.teacher_cacheable and p.student_attention_layers == ()
+    assert p.init_projection(jax.random.PRNGKey(0)) == {}
+    f = O.make_objective("finetune", {}, S_CFG)
+    assert not f.needs_teacher and not f.teacher_cacheable
+    k = O.make_objective("pkd", {"projection": "shared"}, cfg(4, 8), cfg(8, 12))
+    assert k.teacher_cls_layers == (2, 4, 6) and k.teacher_cacheable
+    assert O.make_objective("pkd", {"projection": "shared", "layer_map": "pkd_last"},
+                            cfg(4, 8), cfg(8, 12)).teacher_cls_layers == (5, 6, 7)
+
+
+def test_projection_params():
+    rng = jax.random.PRNGKey(0)
+    shared = O.make_objective("tinybert_intermediate", {}, S_CFG, T_CFG).init_projection(rng)
+    assert list(shared) == ["fit_dense"]
+    assert shared["fit_dense"]["kernel"].shape == (8, 12)
+    assert shared["fit_dense"]["bias"].shape == (12,)
+    assert float(jnp.abs(shared["fit_dense"]["bias"]).sum()) == 0.0
+    per = O.make_objective("tinybert_intermediate", {"projection": "per_layer"}, S_CFG,
+                           T_CFG).init_projection(rng)
+    assert sorted(per) == ["fit_dense_0", "fit_dense_1", "fit_dense_2"]
+    same = O.make_objective("tinybert_intermediate", {"projection": "none"}, cfg(2, 12), T_CFG)
+    assert same.init_projection(rng) == {}
+
+
+# --------------------------------------------------------------------------- values
+
+@pytest.mark.parametrize("projection", ["shared", "per_layer"])
+def test_intermediate_matches_numpy(outs, projection):
+    batch, so, to = outs
+    c = {"projection": projection, "w_embd": 0.5, "w_attn": 2.0, "w_hidn": 3.0,
+         "layer_weights": [1.0, 0.25, 4.0]}
+    obj = O.make_objective("tinybert_intermediate", c, S_CFG, T_CFG)
+    proj = obj.init_projection(jax.random.PRNGKey(3))
+    total, terms = obj(proj, so, to, batch)
+    mask = batch["attention_mask"]
+
+    def fit(m):
+        p = proj["fit_dense"] if projection == "shared" else proj[f"fit_dense_{m}"]
+        return np.asarray(so.hidden_states[m]) @ np.asarray(p["kernel"]) + np.asarray(p["bias"])
+
+    att = {m: np_att(so.attention_logits[m - 1], to.attention_logits[2 * m - 1], mask)
+           for m in (1, 2)}
+    hid = {m: np_hid(fit(m), to.hidden_states[2 * m], mask) for m in (0, 1, 2)}
+    np.testing.assert_allclose(float(terms["embd"]), hid[0], rtol=1e-5)
+    for m in (1, 2):
+        np.testing.assert_allclose(float(terms[f"attn/{m}"]), att[m], rtol=1e-5)
+        np.testing.assert_allclose(float(terms[f"hidn/{m}"]), hid[m], rtol=1e-5)
+    np.testing.assert_allclose(float(terms["attn"]), att[1] + att[2], rtol=1e-5)
+    lw = c["layer_weights"]
+    expect = 0.5 * hid[0] + sum(lw[m] * (2.0 * att[m] + 3.0 * hid[m]) for m in (1, 2))
+    np.testing.assert_allclose(float(total), expect, rtol=1e-5)
+
+
+def test_intermediate_jit_grad_and_filler_rows(outs):
+    batch, so, to = outs
+    obj = O.make_objective("tinybert_intermediate", ml_collections.ConfigDict({"mode": "masked"}),
+                           S_CFG, T_CFG)
+    proj = obj.init_projection(jax.random.PRNGKey(0))
+    f = jax.jit(lambda p, s, t, b: obj(p, s, t, b))
+    loss, terms = f(proj, so, to, batch)
+    np.testing.assert_allclose(float(loss), float(obj(proj, so, to, batch)[0]), rtol=1e-6)
+    g = jax.grad(lambda p: obj(p, so, to, batch)[0])(proj)
+    assert float(jnp.abs(g["fit_dense"]["kernel"]).sum()) > 0
+    # Filler row 2: replacing its student outputs with junk changes nothing.
+    b2 = dict(batch, valid=np.array([1, 1, 0], np.float32))
+    junk = so.replace(hidden_states=tuple(h.at[2].add(5.0) for h in so.hidden_states),
+                      attention_logits=tuple(a.at[2].add(5.0) for a in so.attention_logits))
+    np.testing.assert_allclose(float(f(proj, junk, to, b2)[0]), float(f(proj, so, to, b2)[0]),
+                               rtol=1e-6)
+
+
+def test_missing_attention_logits_is_clear(outs):
+    batch, so, to = outs
+    obj = O.make_objective("tinybert_intermediate", {}, S_CFG, T_CFG)
+    bare = so.replace(attention_logits=(None, None))
+    with pytest.raises(ValueError, match="attention_logits=obj.student_attention_layers"):
+        obj(obj.init_projection(jax.random.PRNGKey(0)), bare, to, batch)
+
+
+@pytest.mark.parametrize("mode", ["masked", "tinybert"])
+def test_pred_classification(outs, mode):
+    batch, so, to = outs
+    obj = O.make_objective("tinybert_pred", {"mode": mode, "temperature": 2.0}, S_CFG, T_CFG)
+    loss, terms = obj({}, so, to, batch)
+    p = np.exp(np_lsm(np.asarray(to.logits) / 2.0))
+    ce = -(p * np_lsm(np.asarray(so.logits) / 2.0))
+    ref = ce.mean() if mode == "tinybert" else ce.sum(-1).mean()
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
+    # From the teacher cache instead of t_out.
+    cached = dict(batch, **{k: np.asarray(v) for k, v in obj.teacher_features(to).items()})
+    np.testing.assert_allclose(float(obj({}, so, None, cached)[0]), float(loss), rtol=1e-6)
+
+
+def test_pred_regression_targets():
+    batch = make_batch(labels=1)
+    s_cfg, t_cfg = cfg(2, 8, labels=1), cfg(4, 12, labels=1)
+    so, to = fake(s_cfg, 1, False), fake(t_cfg, 2, False)
+    obj = O.make_objective("tinybert_pred", {}, s_cfg, t_cfg)
+    loss, _ = obj({}, so, to, batch)
+    ref = ((np.asarray(so.logits)[:, 0] - np.asarray(to.logits)[:, 0]) ** 2).mean()
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
+    with pytest.raises(ValueError, match="STS-B bug"):
+        O.make_objective("tinybert_pred", {"regression_target": "gold"}, s_cfg, t_cfg)
+    bug = O.make_objective("tinybert_pred", {"regression_target": "gold", "mode": "tinybert"},
+                           s_cfg, t_cfg)
+    assert not bug.needs_teacher
+    ref = ((np.asarray(so.logits)[:, 0] - batch["labels"]) ** 2).mean()
+    np.testing.assert_allclose(float(bug({}, so, None, batch)[0]), ref, rtol=1e-5)
+    ft = O.make_objective("finetune", {}, s_cfg)
+    np.testing.assert_allclose(float(ft({}, so, None, batch)[0]), ref, rtol=1e-5)
+
+
+def test_kd_and_finetune(outs):
+    batch, so, to = outs
+    s, t, y = np.asarray(so.logits), np.asarray(to.logits), batch["labels"]
+    ce = -np_lsm(s)[np.arange(B), y].mean()
+    ft, terms = O.make_objective("finetune", {}, S_CFG)({}, so, None, batch)
+    np.testing.assert_allclose(float(ft), ce, rtol=1e-5)
+    kd = O.make_objective("kd", {"temperature": 3.0, "alpha": 0.25}, S_CFG, T_CFG)
+    loss, terms = kd({}, so, to, batch)
+    lp, lq = np_lsm(t / 3.0), np_lsm(s / 3.0)
+    kl = 9.0 * (np.exp(lp) * (lp - lq)).sum(-1).mean()
+    np.testing.assert_allclose(float(terms["kd"]), kl, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), 0.25 * kl + 0.75 * ce, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["masked", "tinybert"])
+def test_pkd_composition_and_cache(mode):
+    s_cfg, t_cfg = cfg(3, 8), cfg(6, 12)
+    batch = make_batch(1)
+    so, to = fake(s_cfg, 1, False), fake(t_cfg, 2, False)
+    c = {"mode": mode, "projection": "per_layer", "temperature": 5.0, "alpha": 0.6, "beta": 50.0,
+         "normalize_patience": True}
+    obj = O.make_objective("pkd", c, s_cfg, t_cfg)
+    assert obj.teacher_cls_layers == (2, 4)
+    proj = obj.init_projection(jax.random.PRNGKey(4))
+    assert sorted(proj) == ["fit_dense_1", "fit_dense_2"]
+    loss, terms = obj(proj, so, to, batch)
+    # Reference from the definition.
+    s, t, y = np.asarray(so.logits, np.float64), np.asarray(to.logits, np.float64), batch["labels"]
+    ce = -np_lsm(s)[np.arange(B), y].mean()
+    lp, lq = np_lsm(t / 5.0), np_lsm(s / 5.0)
+    kl = np.exp(lp) * (lp - lq)
+    kd = 25.0 * (kl.mean() if mode == "tinybert" else kl.sum(-1).mean())
+    sc = np.stack([np.asarray(so.hidden_states[m])[:, 0] @ np.asarray(proj[f"fit_dense_{m}"]["kernel"])
+                   + np.asarray(proj[f"fit_dense_{m}"]["bias"]) for m in (1, 2)], 1)
+    tc = np.stack([np.asarray(to.hidden_states[n])[:, 0] for n in (2, 4)], 1).astype(np.float64)
+    sc /= np.linalg.norm(sc, axis=-1, keepdims=True)
+    tc /= np.linalg.norm(tc, axis=-1, keepdims=True)
+    pt = ((sc - tc) ** 2).mean()
+    np.testing.assert_allclose(float(terms["kd"]), kd, rtol=1e-5)
+    np.testing.assert_allclose(float(terms["ce"]), ce, rtol=1e-5)
+    if mode == "tinybert":
+        pt16 = np.float16(np.float32(pt))
+        np.testing.assert_allclose(float(terms["pt"]), float(pt16), rtol=1e-3)
+        expect = 0.6 * kd + 0.4 * ce + float(np.float16(50.0 * np.float32(terms["pt"])))
+    else:
+        np.testing.assert_allclose(float(terms["pt"]), pt, rtol=1e-5)
+        expect = 0.6 * kd + 0.4 * ce + 50.0 * pt
+    np.testing.assert_allclose(float(loss), expect, rtol=1e-5)
+    # The teacher cache path gives the same value.
+    feats = obj.teacher_features(to)
+    assert feats["teacher_cls"].shape == (B, 2, 12)
+    cached = dict(batch, **{k: np.asarray(v) for k, v in feats.items()})
+    np.testing.assert_allclose(float(jax.jit(obj)(proj, so, None, cached)[0]), float(loss),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="teacher_cls"):
+        obj(proj, so, None, dict(batch, teacher_logits=feats["teacher_logits"]))
+
+
+def test_pkd_beta_zero_needs_no_cls(outs):
+    batch, so, to = outs
+    obj = O.make_objective("pkd", {"beta": 0.0}, S_CFG, T_CFG)  # widths differ, but no PT term
+    assert obj.teacher_cls_layers == ()
+    loss, terms = obj({}, so, None, dict(batch, teacher_logits=np.asarray(to.logits)))
+    assert "pt" not in terms and np.isfinite(float(loss))
