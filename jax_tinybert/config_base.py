@@ -53,7 +53,10 @@ def base_config() -> ml_collections.ConfigDict:
     ))
     c.optim = ml_collections.ConfigDict(dict(
         name="adamw", learning_rate=5e-5, schedule="warmup_linear", warmup_ratio=0.1,
-        weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-6, clip_norm=1.0, grad_clip_per_tensor=1.0))
+        weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-6,
+        clip_norm=1.0,             # adamw: global-norm clipping (0 = off)
+        grad_clip_per_tensor=1.0,  # bertadam: per-tensor clipping, as the official BertAdam
+    ))
     c.train = ml_collections.ConfigDict(dict(
         batch_size=32, num_epochs=3.0, num_steps=0,   # num_steps > 0 overrides epochs
         grad_accum=1, seed=0, log_every=20, eval_every=0,  # 0 = at the end of each epoch

@@ -303,6 +303,22 @@ def _allgather_host(x: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- the loop
 
+def optim_cfg(config) -> dict:
+    """The optimizer block, with each clipping option given only to the optimizer that has it
+    (global-norm clip for adamw, per-tensor clip for bertadam)."""
+    d = config.optim.to_dict()
+    if d["name"] == "bertadam":
+        d["clip_norm"] = None
+    else:
+        d["grad_clip_per_tensor"] = None
+    return d
+
+
+def eval_fn_wanted(obj, data: Data) -> bool:
+    """Dev metrics only where the classifier is trained (not in intermediate-layer stages)."""
+    return data.eval is not None and obj.name != "tinybert_intermediate"
+
+
 def _total_steps(config, steps_per_epoch: int) -> int:
     if config.train.num_steps > 0:
         return int(config.train.num_steps)
@@ -315,7 +331,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     validate_config(config)
     check_workdir(config, workdir)
     is_main = jax.process_index() == 0
-    mesh = shd.make_mesh(dict(config.mesh.items() - {("fsdp_min_size", config.mesh.fsdp_min_size)}))
+    mesh = shd.make_mesh({a: config.mesh[a] for a in shd.AXES})
     shd.check_batch_size(config.train.batch_size, mesh, config.train.grad_accum)
     if config.train.eval_batch_size % shd.data_parallel_size(mesh):
         raise ConfigValueError(f"config.train.eval_batch_size={config.train.eval_batch_size} is "
@@ -325,10 +341,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     tpath = resolve_model_path(config.teacher.path)
     data = build_data(config, workdir, tpath)
     models = build_models(config, data.num_labels, data.id2label)
-    obj = objectives.make_objective(config.objective.name, config.objective.to_dict(),
-                                    models.student_config, models.teacher_config)
+    obj_cfg = {k: v for k, v in config.objective.to_dict().items() if k != "name"}
+    obj = objectives.make_objective(config.objective.name, obj_cfg, models.student_config,
+                                    models.teacher_config)
     total = _total_steps(config, data.train.steps_per_epoch)
-    tx, schedule = optim.make_optimizer(config.optim, total)
+    tx, schedule = optim.make_optimizer(optim_cfg(config), total)
 
     # Teacher cache: pred/kd/pkd stages need only the teacher's logits / [CLS] features.
     cache = None
@@ -356,7 +373,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
 
     ckpt = Checkpointer(workdir, max_to_keep=config.train.max_to_keep,
                         save_interval_steps=config.train.checkpoint_every,
-                        best_mode="max")
+                        keep_best=eval_fn_wanted(obj, data), best_metric="main", best_mode="max")
     ckpt.install_sigterm_handler()
     start_step, best = 0, None
     restored = ckpt.restore_latest(jax.tree_util.tree_map(
@@ -376,7 +393,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         step_lib.make_train_step(loss_fn, tx, schedule, grad_accum=config.train.grad_accum,
                                  mesh=mesh), state_sh, teacher_sh, mesh)
     eval_fn = None
-    if data.eval is not None and obj.name != "tinybert_intermediate":
+    if eval_fn_wanted(obj, data):
         eval_fn = step_lib.jit_eval_step(step_lib.make_eval_step(models.student),
                                          state_sh.params["student"], mesh)
     eval_every = config.train.eval_every or data.train.steps_per_epoch
@@ -434,10 +451,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
                 print(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items())
                       + ("  (best)" if improved else f"  (best {best['main']:.4f} @ {best['step']})"),
                       flush=True)
-            ckpt.save(step, state, meta, metric=ev["main"] if improved else None,
-                      force=step == total)
+            if improved:
+                ckpt.save_best(step, state, meta, ev["main"])
+        if step == total:
+            ckpt.save(step, state, meta, force=True)
         else:
-            ckpt.maybe_save(step, state, meta, force=step == total)
+            ckpt.maybe_save(step, state, meta)
         if ckpt.should_stop(step):
             ckpt.save(step, state, meta, force=True)
             ckpt.wait()
@@ -456,6 +475,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh))
         if got is not None:
             final_params = got[1].params["student"]
+            if is_main:
+                print(f"exporting the best checkpoint (step {got[0]})", flush=True)
     if config.export.enabled:
         from jax_tinybert.export import export_hf
 

@@ -1,0 +1,27 @@
+"""Fine-tune the teacher on a GLUE task (the task teacher of task distillation / PKD).
+
+    python -m jax_tinybert.main --config=configs/finetune_teacher.py:sst2 --workdir=runs/sst2/teacher
+
+Variants: any GLUE task name (sst2, mrpc, stsb, cola, qqp, mnli, qnli, rte, wnli). The teacher
+starts from `teacher.path` (default: the packaged all-MiniLM-L6-v2; e.g. bert-base-uncased when
+online) and the fine-tuned model is exported to <workdir>/export. Data: $GLUE_DIR/<TASK>/*.tsv.
+"""
+from jax_tinybert.config_base import base_config
+
+PAIR_TASKS = {"mrpc", "stsb", "sts-b", "qqp", "mnli", "qnli", "rte", "wnli"}
+
+
+def get_config(arg: str = "sst2"):
+    c = base_config()
+    c.stage = "finetune_teacher"
+    c.objective.name = "finetune"
+    c.student.init = "pretrained"
+    c.student.path = ""            # = teacher.path
+    c.data.task = arg or "sst2"
+    c.data.max_len = 128 if c.data.task.lower() in PAIR_TASKS else 64
+    c.data.buckets = (32, 64, 128) if c.data.max_len == 128 else (32, 64)
+    c.optim.learning_rate = 5e-5 if c.data.task.lower() != "stsb" else 4e-5
+    c.train.num_epochs = 3.0
+    c.train.batch_size = 32
+    c.teacher.cache = False
+    return c

@@ -1,0 +1,36 @@
+"""Patient Knowledge Distillation (Sun et al. 2019): the student starts from the teacher's first
+k layers and learns (1 - alpha) CE + alpha KD(T) + beta * patience on the [CLS] vectors.
+
+    python -m jax_tinybert.main --config=configs/pkd.py:sst2 --workdir=runs/sst2/pkd \
+        --config.teacher.path=runs/sst2/teacher/export
+
+Variants: "<task>" (PKD-Skip, default) or "<task>_last" (PKD-Last). Published recipe: alpha 0.7,
+T 10, beta 500 (for the mean over B*K*D), lr 1e-5, 4 epochs; student = the teacher's first
+`student.teacher_layers` layers (default: the first half of the teacher's layers).
+"""
+from jax_tinybert.config_base import base_config
+
+PAIR_TASKS = {"mrpc", "stsb", "sts-b", "qqp", "mnli", "qnli", "rte", "wnli"}
+
+
+def get_config(arg: str = "sst2"):
+    arg = arg or "sst2"
+    task, layer_map = (arg[:-5], "pkd_last") if arg.endswith("_last") else (arg, "pkd_skip")
+    c = base_config()
+    c.stage = "pkd"
+    c.data.task = task
+    c.data.max_len = 128 if task.lower() in PAIR_TASKS else 64
+    c.data.buckets = (32, 64, 128) if c.data.max_len == 128 else (32, 64)
+    c.objective.name = "pkd"
+    c.objective.temperature = 10.0
+    c.objective.alpha = 0.7
+    c.objective.beta = 500.0
+    c.objective.t2 = True
+    c.objective.layer_map = layer_map
+    c.objective.projection = "none"
+    c.student.init = "teacher_layers"
+    c.student.teacher_layers = (1, 2, 3)   # first half of the 6-layer packaged teacher
+    c.optim.learning_rate = 1e-5
+    c.train.num_epochs = 4.0
+    c.train.batch_size = 32
+    return c
