@@ -131,13 +131,25 @@ class Augmenter:
         self.whole_word = ok
         self.mask_id = tokenizer.mask_token_id
 
-        def top(params, ids, mask, pos):
-            out = mlm_model.apply({"params": params}, ids, mask, None, deterministic=True)
-            logits = out.logits[jax.numpy.arange(ids.shape[0]), pos]  # [B, V]
-            logits = jax.numpy.where(self._ok_dev, logits, -jax.numpy.inf)
-            return jax.lax.top_k(logits, self.K + 16)[1]
+        from jax_tinybert.modeling import BertModel, _MLMHead
 
-        v = mlm_model.config.vocab_size
+        c = mlm_model.config
+        dtype = getattr(mlm_model, "dtype", jax.numpy.float32)
+        bert = BertModel(c, dtype=dtype, add_pooling_layer=False)
+        head = _MLMHead(c, dtype=dtype)
+        k = self.K + 16  # spare candidates for the filters below
+
+        def top(params, ids, mask, pos, allowed):
+            # The MLM head only at the mask positions: [B, V] instead of [B, T, V] logits.
+            out = bert.apply({"params": params["bert"]}, ids, mask, None, deterministic=True,
+                             attention_logits=False)
+            h = out.hidden_states[-1][jax.numpy.arange(ids.shape[0]), pos]
+            logits = head.apply({"params": params["cls"]}, h,
+                                params["bert"]["embeddings"]["word_embeddings"]["embedding"])
+            logits = jax.numpy.where(allowed, logits, -jax.numpy.inf)
+            return jax.lax.top_k(logits, k)[1]
+
+        v = c.vocab_size
         ok_dev = np.zeros(v, bool)
         ok_dev[:min(v, len(ok))] = ok[:v]
         self._ok_dev = jax.numpy.asarray(ok_dev)
@@ -180,7 +192,7 @@ class Augmenter:
                     ids[r, :lens[j]] = seqs[j]
                     mask[r, :lens[j]] = 1
                     pos[r] = poss[j]
-                top = np.asarray(self._top(self.params, ids, mask, pos))
+                top = np.asarray(self._top(self.params, ids, mask, pos, self._ok_dev))
                 for r, j in enumerate(chunk):
                     word = requests[j][2].lower()
                     cands = [self.id2tok[int(t)] for t in top[r]]

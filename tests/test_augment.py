@@ -1,0 +1,131 @@
+"""TinyBERT data augmentation with a small random Flax MLM and the teacher's tokenizer (no hub)."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jax_tinybert.data import augment, glue, tokenize
+from jax_tinybert.modeling import BertConfig, BertForMaskedLM, init_params
+
+
+@pytest.fixture(scope="module")
+def tok(teacher_dir):
+    return tokenize.load_tokenizer(teacher_dir)
+
+
+@pytest.fixture(scope="module")
+def mlm(tok):
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
+    model = BertForMaskedLM(cfg)
+    return model, init_params(model, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def sentences(glue_dir):
+    return [e.text_a for e in glue.load_examples("sst2", "dev", glue_dir=str(glue_dir))[:48]]
+
+
+def _aug(tok, mlm, **kw):
+    kw = {"N": 20, "K": 15, "p": 0.4, "seed": 42, "batch_size": 128, "buckets": (64,), **kw}
+    return augment.Augmenter(tok, mlm[0], mlm[1], **kw)
+
+
+def test_deterministic_under_seed(tok, mlm, sentences):
+    keys = [(i, 0) for i in range(len(sentences))]
+    a = _aug(tok, mlm).augment_sentences(sentences, keys)
+    b = _aug(tok, mlm).augment_sentences(sentences, keys)
+    c = _aug(tok, mlm, seed=43).augment_sentences(sentences, keys)
+    assert a == b and a != c
+    # per-(row, column) streams: the result does not depend on how sentences are batched
+    half = _aug(tok, mlm).augment_sentences(sentences[10:20], keys[10:20])
+    assert half == a[10:20]
+    assert all(0 < len(x) <= 20 for x in a)
+
+
+def test_replacement_rate_and_untouched_words(tok, mlm, sentences):
+    aug = _aug(tok, mlm, dedupe=False)
+    cands = aug.candidates(sentences)
+    out = aug.augment_sentences(sentences, [(i, 0) for i in range(len(sentences))])
+    eligible = changed = 0
+    for s, c, copies in zip(sentences, cands, out):
+        words = s.split()
+        assert len(copies) == 20
+        for new in copies:
+            nw = new.split()
+            assert len(nw) == len(words)
+            for i, (w, x) in enumerate(zip(words, nw)):
+                if not augment.is_candidate_word(w):
+                    assert x == w, (w, x)  # stop-words, punctuation, numbers untouched
+                if i in c:
+                    eligible += 1
+                    changed += x != w
+                else:
+                    assert x == w
+    rate = changed / eligible
+    print(f"\nreplacement rate {rate:.3f} over {eligible} word draws (p = 0.4)")
+    assert abs(rate - 0.4) < 0.03
+    assert "the" in augment.STOP_WORDS and not augment.is_candidate_word("'s")
+    assert not augment.is_candidate_word("1998") and augment.is_candidate_word("Film")
+
+
+def test_mlm_queries_are_batched_and_multipiece_words_use_embeddings(tok, mlm, sentences):
+    aug = _aug(tok, mlm)
+    calls = []
+    inner = aug._top
+    aug._top = lambda *a: calls.append(a[1].shape) or inner(*a)
+    cands = aug.candidates(sentences)
+    pieces = aug._word_pieces([w for s in sentences for w in s.split()])
+    single = sum(1 for s in sentences for w in s.split()
+                 if augment.is_candidate_word(w) and len(pieces[w]) == 1)
+    assert single > 100 and len(calls) <= -(-single // 128)  # not one forward per word
+    assert all(shape == (128, 64) for shape in calls)
+    multi = [(si, wi) for si, s in enumerate(sentences) for wi, w in enumerate(s.split())
+             if augment.is_candidate_word(w) and len(pieces[w]) > 1]
+    assert multi and all(len(cands[si][wi]) == 15 for si, wi in multi)
+    for c in cands:
+        for lst in c.values():
+            assert all(x.isalpha() and x.isascii() for x in lst)
+
+
+def test_glove_neighbours_by_cosine(tok, mlm, tmp_path):
+    g = tmp_path / "glove.txt"
+    g.write_text("good 1 0 0\ngreat 0.9 0.1 0\nbad -1 0 0\nfine 0.8 0.3 0.1\nawful -0.9 0.1 0\n"
+                 "splendidly 0.95 0.05 0\n")
+    table = augment.EmbeddingTable.from_glove(str(g))
+    assert table.neighbours(table.vectors[[0]], 3, [["good"]]) == [["splendidly", "great", "fine"]]
+    aug = _aug(tok, mlm, glove=table, K=2)
+    # "splendidly" is several WordPieces -> GloVe neighbours (excluding itself)
+    assert len(tok.tokenize("splendidly")) > 1
+    c = aug.candidates(["the film was splendidly made"])[0]
+    assert c[3] == ["good", "great"]
+
+
+def test_augment_tsv_and_cli(tok, mlm, glue_dir, tmp_path, monkeypatch):
+    src = glue_dir / "MRPC" / "train.tsv"
+    d = tmp_path / "glue" / "MRPC"
+    d.mkdir(parents=True)
+    lines = src.read_text(encoding="utf-8-sig").splitlines()[:9]
+    (d / "train.tsv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out" / "train_aug.tsv"
+    stats = _aug(tok, mlm, N=3).augment_tsv("mrpc", str(d / "train.tsv"), str(out))
+    assert stats["rows_in"] == 8 and 8 < stats["rows_out"] <= 8 * (1 + 2 * 3)
+    assert os.listdir(out.parent) == ["train_aug.tsv"]  # atomic: no temp file left
+    ex = glue.load_examples("mrpc", "train", path=str(out))
+    orig = glue.load_examples("mrpc", "train", glue_dir=str(tmp_path / "glue"))
+    assert len(ex) == stats["rows_out"]
+    assert {(e.text_a, e.text_b, e.label) for e in orig} <= {(e.text_a, e.text_b, e.label) for e in ex}
+    # each augmented row changes one side only and keeps the label
+    by_orig = {e.text_a: e for e in orig}
+    assert all(e.text_a in by_orig or e.text_b in {o.text_b for o in orig} for e in ex)
+
+    # CLI wiring (load_pretrained stubbed with the random MLM: no hub here)
+    import jax_tinybert.hf as hf
+    monkeypatch.setattr(hf, "load_pretrained",
+                        lambda path, mlm_head: (mlm[0].config, mlm[1]))
+    cli_out = tmp_path / "cli"
+    augment._main(["--task", "MRPC", "--glue_dir", str(tmp_path / "glue"), "--mlm", "unused",
+                   "--tokenizer", tok.name_or_path, "--out", str(cli_out), "--N", "2",
+                   "--seed", "1"])
+    assert len(glue.load_examples("mrpc", "train", path=str(cli_out / "train_aug.tsv"))) > 8
