@@ -321,7 +321,6 @@ class Checkpointer:
                     state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint -> try older
                 err = e
-                _release_orbax_restore_barrier()
             # All processes must take the same branch, or they would restore different steps
             # and hang in the next collective.
             if not self._any_process(err is not None, f"restore_{step}"):
@@ -454,20 +453,3 @@ class Checkpointer:
         self._pending_delete = [key + str(jax.process_index())] if flag else []
         return result
 
-
-def _release_orbax_restore_barrier():
-    """After a failed restore, meet the other processes at orbax's end-of-restore barrier.
-
-    orbax's `Checkpointer.restore` ends with a global barrier named "Checkpointer:restore".
-    A process whose read failed raised before it, so processes whose read succeeded would
-    wait there forever. Joining it from the failing process lets everyone reach our own
-    agreement step. Single-process runs skip it.
-    """
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-
-    try:
-        multihost_utils.sync_global_devices("Checkpointer:restore")
-    except Exception as e:  # noqa: BLE001
-        log.warning("could not join orbax's restore barrier after a failed restore: %s", e)
