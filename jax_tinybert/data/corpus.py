@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
@@ -186,7 +187,7 @@ class _RaggedWriter:
 
     def __init__(self, out_dir: str, pad_id: int):
         self.out_dir = out_dir
-        self.tmp = f"{out_dir}.tmp-{os.getpid()}"
+        self.tmp = f"{out_dir}.tmp-{socket.gethostname()}-{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)
         os.makedirs(self.tmp)
         self.f_ids = open(os.path.join(self.tmp, "input_ids.bin"), "wb")
@@ -210,9 +211,13 @@ class _RaggedWriter:
         meta = dict(meta, num_sequences=self.n, num_tokens=self.total, pad_id=self.pad_id)
         with open(os.path.join(self.tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
-        if os.path.exists(self.out_dir):
-            shutil.rmtree(self.out_dir)
-        os.replace(self.tmp, self.out_dir)
+        try:
+            os.replace(self.tmp, self.out_dir)
+        except OSError:
+            # Another process (same shared cache) finished first: its copy is identical.
+            if not os.path.exists(os.path.join(self.out_dir, "meta.json")):
+                raise
+            shutil.rmtree(self.tmp, ignore_errors=True)
         return open_ragged(self.out_dir)
 
 

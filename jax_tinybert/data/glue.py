@@ -297,6 +297,9 @@ def load_examples(task, split: str, *, source: str = "tsv", glue_dir: Optional[s
     """
     spec = get_task(task)
     if source == "tsv":
+        if path is None and _split_name(spec, split) == "test":
+            raise ValueError("GLUE test TSVs have no labels and other columns; only train/dev "
+                             "splits (or an explicit path in the train layout) are read")
         if path is None:
             if glue_dir is None:
                 raise ValueError("source='tsv' needs glue_dir or path")
