@@ -146,6 +146,7 @@ class Checkpointer:
         self._stopping = False                # sticky result of the agreement
         self._checked: dict[int, bool] = {}
         self._prev_sigterm = None
+        self._sigterm_installed = False
 
         self._mngr = self._make_manager(
             self.workdir / "checkpoints",
@@ -371,15 +372,19 @@ class Checkpointer:
             self._stop_flag.set()
 
         prev = signal.signal(signal.SIGTERM, handler)
-        if self._prev_sigterm is None:
-            self._prev_sigterm = prev
+        if not self._sigterm_installed:
+            # None means a handler installed from C (JAX's preemption notifier): Python
+            # cannot put that back, so uninstalling falls back to the default action.
+            self._prev_sigterm = signal.SIG_DFL if prev is None else prev
+            self._sigterm_installed = True
 
     def uninstall_sigterm_handler(self):
-        if self._prev_sigterm is not None:
+        if self._sigterm_installed:
             try:
                 signal.signal(signal.SIGTERM, self._prev_sigterm)
-            except (ValueError, TypeError):  # not the main thread / handler from C
+            except ValueError:  # not the main thread
                 pass
+            self._sigterm_installed = False
             self._prev_sigterm = None
 
     def request_stop(self):

@@ -252,7 +252,6 @@ print("SAVED")
     # Restore onto this process's single default device, from an abstract state built from
     # an unsharded state of the same structure.
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    like = make_state()
     params = {"student": {"dense": {"kernel": jnp.zeros((64, 8)), "bias": jnp.zeros(8)}},
               "proj": {"w": jnp.zeros((8, 8), jnp.bfloat16)}}
     like = TrainState(step=jnp.int32(0), params=params, opt_state=optax.adam(1e-2).init(params),
