@@ -2,7 +2,6 @@
 import os
 
 import jax
-import numpy as np
 import pytest
 
 from jax_tinybert.data import augment, glue, tokenize

@@ -9,7 +9,7 @@ global batch. Resuming needs only (epoch, step).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence
 
 import numpy as np
 
