@@ -1,0 +1,78 @@
+"""Run with 8 simulated CPU devices: one tinybert_intermediate step on several meshes.
+
+Prints JSON: max abs param difference of each mesh layout vs the single-device step, and of
+grad accumulation 4 x 8 vs one batch of 32.
+"""
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from jax_tinybert import objectives, optim  # noqa: E402
+from jax_tinybert import sharding as shd  # noqa: E402
+from jax_tinybert import step as step_lib  # noqa: E402
+from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
+from jax_tinybert.train_state import TrainState  # noqa: E402
+
+mode = sys.argv[1] if len(sys.argv) > 1 else "masked"
+tcfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  intermediate_size=128, num_labels=2)
+scfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, num_labels=2)
+teacher, student = BertForSequenceClassification(tcfg), BertForSequenceClassification(scfg)
+tparams = init_params(teacher, jax.random.PRNGKey(0))
+sparams = init_params(student, jax.random.PRNGKey(1))
+obj = objectives.make_objective("tinybert_intermediate", {"mode": mode}, scfg, tcfg)
+params = {"student": sparams, "proj": obj.init_projection(jax.random.PRNGKey(2))}
+# Plain SGD: Adam divides by sqrt(v), which turns float-rounding noise on near-zero gradients
+# into full-size updates and would hide what we compare (the gradients of each layout).
+tx, sched = optax.sgd(0.5), (lambda step: 0.5)
+
+rng = np.random.default_rng(0)
+B, T = 32, 16
+lengths = rng.integers(4, T + 1, B) if mode == "masked" else np.full(B, T)
+mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
+batch = {"input_ids": (rng.integers(1, 128, (B, T)) * mask).astype(np.int32),
+         "attention_mask": mask, "token_type_ids": np.zeros((B, T), np.int32),
+         "labels": rng.integers(0, 2, B).astype(np.int32), "valid": np.ones(B, np.float32)}
+
+
+def run(mesh_spec, devices, grad_accum=1):
+    mesh = shd.make_mesh(mesh_spec, devices)
+    abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, jax.random.PRNGKey(0)), params)
+    ssh = shd.state_shardings(abstract, mesh, fsdp_min_size=64)
+    state = jax.jit(lambda p: TrainState.create(p, tx, jax.random.PRNGKey(3)), out_shardings=ssh)(
+        shd.put_replicated(params, mesh))
+    tsh = shd.state_shardings(tparams, mesh, fsdp_min_size=64)
+    # Dropout off so every layout computes the same function.
+    loss_fn = step_lib.make_loss_fn(student, teacher, obj, student_dropout=False)
+    f = step_lib.jit_train_step(step_lib.make_train_step(loss_fn, tx, sched, grad_accum=grad_accum,
+                                                         mesh=mesh), ssh, tsh, mesh)
+    tp = shd.put_sharded(tparams, tsh)
+    for _ in range(2):
+        state, m = f(state, tp, shd.shard_batch(batch, mesh))
+    specs = {str(s.spec) for s in jax.tree_util.tree_leaves(ssh)}
+    return jax.device_get(state.params), float(m["loss"]), sorted(specs)
+
+
+def maxdiff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+devs = jax.devices()
+ref, ref_loss, _ = run({"data": 1}, devs[:1])
+out = {"devices": len(devs), "ref_loss": ref_loss}
+for name, spec in {"dp8": {"data": 8}, "fsdp": {"data": 2, "fsdp": 4},
+                   "tp": {"data": 4, "model": 2}}.items():
+    p, loss, specs = run(spec, devs)
+    out[name] = {"maxdiff": maxdiff(ref, p), "loss": loss, "specs": specs}
+p, loss, _ = run({"data": 8}, devs, grad_accum=4)
+out["accum4x8"] = {"maxdiff": maxdiff(ref, p), "loss": loss}
+print(json.dumps(out))
