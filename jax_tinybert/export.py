@@ -243,7 +243,9 @@ def export_from_workdir(workdir: str, out: str, which: str = "best") -> str:
 
     if which not in ("best", "latest"):
         raise ValueError(f"which must be 'best' or 'latest', got {which!r}")
-    ckpt = Checkpointer(workdir, async_save=False, keep_best=True)
+    # Same best-metric name as the trainer (train.py saves the dev metric as "main").
+    ckpt = Checkpointer(workdir, async_save=False, keep_best=True, best_metric="main",
+                        best_mode="max")
     try:
         use_best = which == "best" and ckpt.best_step() is not None
         if which == "best" and not use_best:

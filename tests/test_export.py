@@ -24,12 +24,13 @@ def _small_config(num_labels=3, **kw):
 
 
 def _random_params(config, seed=0):
-    p = init_params(BertForSequenceClassification(config), jax.random.PRNGKey(seed))
-    # Non-zero biases/LayerNorm so a transposition or naming slip cannot hide.
-    leaves, tdef = jax.tree_util.tree_flatten(p)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
-    return jax.tree_util.tree_map(np.asarray, jax.tree_util.tree_unflatten(tdef, leaves))
+    """Random weights, biases and LayerNorm included (so a transposition or naming slip cannot
+    hide); numpy instead of model.init, which is slow on CPU for a 30522-row vocabulary."""
+    shapes = jax.eval_shape(lambda: init_params(BertForSequenceClassification(config),
+                                                jax.random.PRNGKey(0)))
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda s: rng.normal(0, 0.05, s.shape).astype(np.float32), shapes)
 
 
 def _encode(folder, framework):
@@ -58,8 +59,11 @@ def _check_transformers(config, params, out, atol=1e-5):
     enc = _encode(out, "np")
     ours = _ours(config, params, enc)
     cls = "classifier" in params
-    fx = (tr.FlaxBertForSequenceClassification if cls else tr.FlaxBertModel).from_pretrained(out)
-    fo = fx(**{k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids")})
+    # _do_init=False: skip a random init of the whole model (slow on CPU), load the file only.
+    fx, fparams = (tr.FlaxBertForSequenceClassification if cls else tr.FlaxBertModel
+                   ).from_pretrained(out, _do_init=False)
+    fo = fx(**{k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids")},
+            params=fparams)
     flax_out = np.asarray(fo.logits if cls else fo.last_hidden_state)
     pt = (tr.BertForSequenceClassification if cls else tr.BertModel).from_pretrained(out).eval()
     with torch.no_grad():
@@ -112,7 +116,11 @@ def test_regression_head(tmp_path, teacher_dir):
 
 
 def test_teacher_sized_classifier(tmp_path, teacher_dir):
-    config, params = load_pretrained(teacher_dir, for_classification=True, seed=1)
+    config, bert = load_pretrained(teacher_dir)
+    rng = np.random.default_rng(1)
+    params = {"bert": bert, "classifier": {
+        "kernel": rng.normal(0, 0.1, (config.hidden_size, 2)).astype(np.float32),
+        "bias": np.array([0.1, -0.2], np.float32)}}
     out = export.export_hf(config, params, str(tmp_path / "teacher"), tokenizer_dir=teacher_dir)
     _check_transformers(config, params, out)
 
@@ -159,3 +167,43 @@ def test_crash_mid_export_leaves_nothing_half_written(tmp_path, monkeypatch, exi
     export.export_hf(config, params, str(out))  # a later export succeeds and replaces it
     assert sorted(os.listdir(tmp_path)) == ["model"]
     assert {"config.json", "flax_model.msgpack", "model.safetensors"} <= set(os.listdir(out))
+
+
+def _fake_run(workdir, student_params, steps=(5, 10), best=5):
+    """A workdir as the trainer leaves it: config.json + checkpoints/ and best/ (Checkpointer)."""
+    from jax_tinybert import config_base, optim, train
+    from jax_tinybert.checkpoints import Checkpointer
+    from jax_tinybert.train_state import TrainState
+
+    config = config_base.base_config()
+    config.student.update(dict(init="random", num_hidden_layers=2, hidden_size=64,
+                               num_attention_heads=4, intermediate_size=128))
+    config.data.task = "sst2"
+    train.check_workdir(config, str(workdir))
+    tx, _ = optim.make_optimizer({"name": "adamw"}, 100)
+    ckpt = Checkpointer(str(workdir), async_save=False, save_interval_steps=1,
+                        best_metric="main")
+    states = {}
+    for s in steps:
+        p = {"student": jax.tree_util.tree_map(lambda x: jnp.asarray(x) + s, student_params),
+             "proj": {"kernel": jnp.ones((64, 384))}}
+        states[s] = TrainState.create(p, tx, jax.random.PRNGKey(0))
+        ckpt.save(s, states[s], {"data": {}}, force=True)
+        if s == best:
+            ckpt.save_best(s, states[s], {"data": {}}, 0.9)
+    ckpt.close()
+    return {s: jax.tree_util.tree_map(np.asarray, st.params["student"]) for s, st in states.items()}
+
+
+@pytest.mark.parametrize("which", ["best", "latest"])
+def test_export_from_workdir(tmp_path, which):
+    config = _small_config(2)
+    saved = _fake_run(tmp_path / "run", _random_params(config))
+    out = tmp_path / "out"
+    export.main([f"--workdir={tmp_path / 'run'}", f"--out={out}", f"--which={which}"])
+    c2, p2 = load_pretrained(str(out))
+    want = saved[5 if which == "best" else 10]
+    for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(p2)):
+        np.testing.assert_array_equal(a, b)
+    assert c2.hidden_size == 64 and c2.num_hidden_layers == 2 and c2.num_attention_heads == 4
+    assert "vocab.txt" in os.listdir(out)
