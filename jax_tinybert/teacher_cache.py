@@ -1,0 +1,342 @@
+"""Teacher outputs computed once per dataset and read back per batch (host side).
+
+Stages whose loss needs only the teacher's logits and [CLS] features (TinyBERT prediction, KD,
+PKD) need no teacher forward in the training step: the features of every example are computed
+once by a jitted forward, stored on disk, and added to each batch by `example_id`.
+
+Layout of a cache folder::
+
+    meta.json              version, fingerprint (what the cache was built from), num_examples,
+                           per-field shape/dtype/crc32, filled (rows written)
+    teacher_logits.npy     float32 [N, C]        (fields are whatever the forward returns)
+    teacher_cls.npy        float32 [N, K, D_t]
+    filled.npy             bool [N]              rows that some batch covered
+
+Files are opened with `np.load(mmap_mode="r")`, so a cache larger than memory is fine. The
+folder is written beside its final path and renamed into place when complete; a cache whose
+fingerprint differs from the caller's, or that is truncated or corrupt, is rebuilt (the latter
+with a warning).
+
+    cache = teacher_cache.build_or_load(path, fingerprint, forward, params, batches, n)
+    batch.update(cache.lookup(batch["example_id"]))
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import zlib
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+META = "meta.json"
+FILLED = "filled.npy"
+MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+class CacheError(ValueError):
+    """A cache folder that cannot be used (missing, truncated, corrupt, or built from other inputs)."""
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+def params_fingerprint(params) -> str:
+    """sha256 over every leaf's path, dtype, shape and bytes (hex, 16 chars)."""
+    h = hashlib.sha256()
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for path, x in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def arrays_fingerprint(*arrays) -> str:
+    """sha256 of numpy arrays' dtype, shape and bytes (e.g. a dataset's ids and offsets)."""
+    h = hashlib.sha256()
+    for a in arrays:
+        if a is None:
+            h.update(b"None")
+            continue
+        a = np.asarray(a)
+        h.update(f"{a.dtype}|{a.shape}".encode())
+        flat = a.reshape(-1)
+        step = 1 << 24
+        for i in range(0, flat.size, step):  # chunks: memmapped corpora need not fit in memory
+            h.update(np.ascontiguousarray(flat[i:i + step]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def dataset_fingerprint(dataset) -> str:
+    """Fingerprint of an `EncodedDataset`-like object (token ids, segments, offsets)."""
+    parts = [getattr(dataset, k, None) for k in ("input_ids", "token_type_ids", "offsets")]
+    if all(p is None for p in parts):
+        raise TypeError(f"dataset_fingerprint: {type(dataset).__name__} has no input_ids/"
+                        "token_type_ids/offsets; pass your own data fingerprint")
+    return arrays_fingerprint(*parts)
+
+
+def _normalise(fp: Mapping[str, Any]) -> dict:
+    """JSON round trip so tuples/lists and numpy scalars compare equal to what meta.json holds."""
+    return json.loads(json.dumps(dict(fp), sort_keys=True, default=str))
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+# ----------------------------------------------------------------------------- reading
+
+class TeacherCache:
+    """An opened cache. `lookup(example_ids int64 [b])` -> {field: float32 [b, ...]}.
+
+    Rows with example_id < 0 (filler rows of eval batches) come back as zeros.
+    """
+
+    def __init__(self, path: str, verify: bool = True):
+        self.path = path
+        meta_path = os.path.join(path, META)
+        try:
+            with open(meta_path) as fh:
+                self.meta = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CacheError(f"{meta_path}: unreadable ({type(e).__name__}: {e})") from e
+        if self.meta.get("version") != VERSION:
+            raise CacheError(f"{path}: cache format version {self.meta.get('version')} != {VERSION}")
+        self.num_examples = int(self.meta["num_examples"])
+        self.fields: Dict[str, np.ndarray] = {}
+        for name, info in self.meta["fields"].items():
+            self.fields[name] = self._open(name + ".npy", info, verify)
+        self.filled = self._open(FILLED, self.meta["filled_file"], verify)
+        if int(self.filled.sum()) != int(self.meta["filled"]):
+            raise CacheError(f"{path}: {FILLED} does not match meta.json")
+
+    def _open(self, fname: str, info: dict, verify: bool) -> np.ndarray:
+        p = os.path.join(self.path, fname)
+        try:
+            a = np.load(p, mmap_mode="r")
+        except (OSError, ValueError) as e:  # missing, or shorter than its header says
+            raise CacheError(f"{p}: unreadable ({type(e).__name__}: {e})") from e
+        if list(a.shape) != list(info["shape"]) or str(a.dtype) != info["dtype"]:
+            raise CacheError(f"{p}: shape {a.shape} {a.dtype}, meta.json says "
+                             f"{info['shape']} {info['dtype']}")
+        if os.path.getsize(p) != info["bytes"]:
+            raise CacheError(f"{p}: {os.path.getsize(p)} bytes, expected {info['bytes']}")
+        if verify and _crc32(p) != info["crc32"]:
+            raise CacheError(f"{p}: checksum mismatch (corrupt file)")
+        return a
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.meta["fingerprint"]
+
+    def lookup(self, example_ids) -> Dict[str, np.ndarray]:
+        ids = np.asarray(example_ids, np.int64).reshape(-1)
+        real = ids >= 0
+        if np.any(ids >= self.num_examples):
+            raise IndexError(f"teacher cache {self.path}: example_id {int(ids.max())} >= "
+                             f"{self.num_examples} cached examples (rebuild the cache for this "
+                             "dataset)")
+        safe = np.where(real, ids, 0)
+        if not np.all(self.filled[safe[real]]):
+            missing = sorted(set(ids[real][~self.filled[safe[real]]].tolist()))[:8]
+            raise KeyError(f"teacher cache {self.path}: examples {missing} were not cached "
+                           "(the batches used to build it did not cover the whole dataset)")
+        out = {}
+        for name, arr in self.fields.items():
+            rows = np.asarray(arr[safe], np.float32)
+            rows[~real] = 0.0
+            out[name] = rows
+        return out
+
+
+def open_cache(path: str, fingerprint: Optional[Mapping[str, Any]] = None,
+               verify: bool = True) -> TeacherCache:
+    """Open a cache; CacheError if it is unusable or (when given) its fingerprint differs."""
+    cache = TeacherCache(path, verify=verify)
+    if fingerprint is not None and cache.fingerprint != _normalise(fingerprint):
+        old, new = cache.fingerprint, _normalise(fingerprint)
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise CacheError(f"{path}: built from other inputs (fingerprint fields differ: "
+                         f"{', '.join(diff)})")
+    return cache
+
+
+# ----------------------------------------------------------------------------- building
+
+def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Sequence[int] = ()):
+    """Jitted (params, input_ids, attention_mask, token_type_ids) -> {field: [b, ...]}.
+
+    feature_fn(BertOutput) -> dict, e.g. `objective.teacher_features`; default: `teacher_logits`
+    [b, C] (when the model has a head) and `teacher_cls` [b, K, D] = the [CLS] vector of the
+    1-based `cls_layers` (0 = embeddings). Deterministic (no dropout).
+    """
+    import jax.numpy as jnp
+
+    layers = tuple(int(i) for i in cls_layers)
+
+    def default(out):
+        d = {}
+        if out.logits is not None:
+            d["teacher_logits"] = out.logits
+        if layers:
+            d["teacher_cls"] = jnp.stack([out.hidden_states[i][:, 0] for i in layers], axis=1)
+        return d
+
+    fn = feature_fn or default
+
+    @jax.jit
+    def forward(params, input_ids, attention_mask, token_type_ids):
+        out = model.apply({"params": params}, input_ids, attention_mask, token_type_ids,
+                          deterministic=True, attention_logits=False)
+        return {k: v.astype(jnp.float32) for k, v in fn(out).items() if v is not None}
+
+    return forward
+
+
+def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
+          batches: Iterable[Mapping[str, np.ndarray]], num_examples: int) -> TeacherCache:
+    """Run `forward(params, ids, mask, types)` over `batches` and write the cache at `path`.
+
+    batches: CONTRACTS-format dicts with `example_id` in [0, num_examples); rows with
+    `valid == 0` (or example_id < 0) are skipped. Any existing folder at `path` is replaced
+    only once the new one is complete.
+    """
+    from jax_tinybert.export import _swap_into_place
+
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    # Once, not per batch: host numpy params would be copied to the device at every call.
+    params = jax.device_put(params)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        files: Dict[str, np.ndarray] = {}
+        filled = np.zeros((num_examples,), bool)
+        for batch in batches:
+            ids = np.asarray(batch["example_id"], np.int64)
+            keep = ids >= 0
+            if "valid" in batch:
+                keep &= np.asarray(batch["valid"]) > 0
+            if not keep.any():
+                continue
+            if np.any(ids[keep] >= num_examples):
+                raise IndexError(f"teacher cache: example_id {int(ids[keep].max())} >= "
+                                 f"num_examples {num_examples}")
+            feats = jax.device_get(forward(params, *(np.asarray(batch[k]) for k in MODEL_KEYS)))
+            for k, v in feats.items():
+                v = np.asarray(v, np.float32)
+                if k not in files:
+                    files[k] = np.lib.format.open_memmap(
+                        os.path.join(tmp, k + ".npy"), mode="w+", dtype=np.float32,
+                        shape=(num_examples,) + v.shape[1:])
+                files[k][ids[keep]] = v[keep]
+            filled[ids[keep]] = True
+        if not files:
+            raise ValueError(f"teacher cache {path}: the batches held no valid rows")
+        n_missing = int(num_examples - filled.sum())
+        if n_missing:
+            log.warning("teacher cache %s: %d of %d examples not covered by the batches; "
+                        "looking them up will fail", path, n_missing, num_examples)
+        fields = {}
+        for k, arr in files.items():
+            arr.flush()
+            del arr
+            fields[k] = _file_info(os.path.join(tmp, k + ".npy"))
+        files.clear()
+        np.save(os.path.join(tmp, FILLED), filled)
+        meta = {"version": VERSION,
+                "fingerprint": _normalise(dict(fingerprint, num_examples=int(num_examples))),
+                "num_examples": int(num_examples), "filled": int(filled.sum()),
+                "fields": fields, "filled_file": _file_info(os.path.join(tmp, FILLED))}
+        # meta.json last: a folder without it is never mistaken for a complete cache.
+        with open(os.path.join(tmp, META), "w") as fh:
+            json.dump(meta, fh, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o755)
+        _swap_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return TeacherCache(path, verify=False)
+
+
+def _file_info(p: str) -> dict:
+    a = np.load(p, mmap_mode="r")
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "bytes": os.path.getsize(p),
+            "crc32": _crc32(p)}
+
+
+def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
+                  batches: Union[Iterable, Callable[[], Iterable]], num_examples: int,
+                  verify: bool = True) -> TeacherCache:
+    """The cache at `path` if it was built from the same `fingerprint`, else (re)build it.
+
+    fingerprint: what the outputs depend on, e.g. {"teacher": params_fingerprint(p),
+    "data": dataset_fingerprint(ds), "tokenizer": ..., "layers": [...]}; compared with the
+    one in meta.json. batches: an iterable, or a callable returning one (called only when a
+    build is needed). A truncated or corrupt cache is rebuilt with a warning.
+    """
+    fingerprint = dict(fingerprint, num_examples=int(num_examples))
+    if os.path.exists(os.path.join(path, META)) or os.path.isdir(path):
+        try:
+            cache = open_cache(path, fingerprint, verify=verify)
+            log.info("teacher cache %s: up to date (%d examples)", path, cache.num_examples)
+            return cache
+        except CacheError as e:
+            if "built from other inputs" in str(e):
+                log.info("teacher cache %s: rebuilding (%s)", path, e)
+            else:
+                log.warning("teacher cache %s is unusable, rebuilding it: %s", path, e)
+    it = batches() if callable(batches) else batches
+    return build(path, fingerprint, forward, params, it, num_examples)
+
+
+# ----------------------------------------------------------------------------- trainer glue
+
+def build_for_training(models, obj, data, workdir: str, mesh=None,
+                       batch_size: int = 64) -> TeacherCache:
+    """The cache for a training run (called by `train.train_and_evaluate`).
+
+    Covers every example of `data.train_dataset` (one pass in dataset order, no dropped
+    remainder) with `obj.teacher_features` of the teacher's forward. Each process builds its
+    own copy (under `cache/teacher_p<i>` when there are several): no collective is involved,
+    and the workdir need not be shared.
+    """
+    from jax_tinybert.data import batching, tokenize
+
+    ds = data.train_dataset
+    n = len(ds)
+    tok = tokenize.load_tokenizer(models.tokenizer_dir)
+    fingerprint = {
+        "teacher": params_fingerprint(models.teacher_params),
+        "teacher_model": f"{type(models.teacher).__name__}:"
+                         f"{getattr(models.teacher, 'dtype', None)}",
+        "teacher_config": models.teacher_config.to_dict(),
+        "data": dataset_fingerprint(ds),
+        "tokenizer": tokenize.tokenizer_fingerprint(tok),
+        "layers": list(getattr(obj, "teacher_cls_layers", ()) or ()),
+        "objective": getattr(obj, "name", None),
+    }
+    name = "teacher" if jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
+    path = os.path.join(workdir, "cache", name)
+    buckets = getattr(data.train, "buckets", None) or batching.DEFAULT_BUCKETS
+    bs = min(batch_size, max(1, n))
+
+    def batches():
+        return batching.BucketedBatcher(ds, bs, buckets, train=False, process_index=0,
+                                        process_count=1)
+
+    forward = make_forward(models.teacher, obj.teacher_features)
+    return build_or_load(path, fingerprint, forward, models.teacher_params, batches, n)

