@@ -22,13 +22,13 @@ from jax_tinybert.modeling import BertForSequenceClassification, count_params
 
 def _stage(base: ml_collections.ConfigDict, overrides: Dict[str, object]) -> ml_collections.ConfigDict:
     c = config_base.base_config()
-    for sec in ("data", "train", "mesh", "student"):
+    for sec in ("data", "train", "mesh", "student", "teacher"):
         c[sec].update(base[sec].to_dict())
     for key, v in overrides.items():
-        sec, field = key.split(".", 1)
-        if sec == "stage":
+        if key == "stage":
             c.stage = v
             continue
+        sec, field = key.split(".", 1)
         c[sec][field] = v
     return c
 
