@@ -1,0 +1,193 @@
+"""The engine end to end: a real short run on GLUE SST-2, and bad configs stopping early."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jax_tinybert import config_base, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(module: str, arg: str = ""):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, "configs", module))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(arg)
+
+
+def _records(workdir, prefix):
+    out = []
+    with open(os.path.join(workdir, "metrics.jsonl")) as fh:
+        for line in fh:
+            r = json.loads(line)
+            if any(k.startswith(prefix + "/") for k in r):
+                out.append(r)
+    return out
+
+
+# --------------------------------------------------------------------------- real SST-2 run
+
+@pytest.fixture(scope="module")
+def sst2_runs(tmp_path_factory, glue_dir):
+    """Fine-tune the MiniLM teacher on an SST-2 subset, then task-distil a small random student
+    (intermediate layers, then prediction layer from the cached teacher)."""
+    root = tmp_path_factory.mktemp("sst2")
+    common = dict(glue_dir=str(glue_dir), train_subset=8000, max_len=64)
+
+    t = _cfg("finetune_teacher.py", "sst2")
+    t.data.update(common)
+    t.data.buckets = (32, 64)
+    t.train.update(num_steps=200, eval_every=200, log_every=20, checkpoint_every=1000)
+    t.optim.learning_rate = 1e-4
+    teacher = train.train_and_evaluate(t, str(root / "teacher"))
+
+    student = dict(init="random", num_hidden_layers=2, hidden_size=192, intermediate_size=768,
+                   num_attention_heads=12)
+    i = _cfg("task_distill.py", "sst2_intermediate")
+    i.data.update(common)
+    i.teacher.path = str(root / "teacher" / "export")
+    i.student.update(student)
+    i.optim.learning_rate = 3e-4
+    i.train.update(num_steps=150, log_every=10, checkpoint_every=1000)
+    inter = train.train_and_evaluate(i, str(root / "inter"))
+
+    p = _cfg("task_distill.py", "sst2_pred")
+    p.data.update(common)
+    p.teacher.path = str(root / "teacher" / "export")
+    p.student.path = str(root / "inter" / "export")
+    p.optim.learning_rate = 3e-4
+    p.train.update(num_steps=200, eval_every=100, log_every=10, checkpoint_every=1000)
+    pred = train.train_and_evaluate(p, str(root / "pred"))
+    return root, teacher, inter, pred
+
+
+def test_teacher_finetune_reaches_80_percent(sst2_runs):
+    _, teacher, _, _ = sst2_runs
+    print("teacher dev acc", teacher["best"])
+    assert teacher["best"]["acc"] >= 0.80
+
+
+def test_intermediate_stage_lowers_every_term(sst2_runs):
+    root, _, inter, _ = sst2_runs
+    recs = _records(root / "inter", "train")
+    terms = [k for k in recs[0] if k.startswith("train/") and k.split("/", 1)[1] in
+             ("embd", "attn", "hidn", "loss")]
+    assert set(terms) == {"train/embd", "train/attn", "train/hidn", "train/loss"}
+    for k in terms + [k for k in recs[0] if k.startswith(("train/attn/", "train/hidn/"))]:
+        first = np.mean([r[k] for r in recs[:3]])
+        last = np.mean([r[k] for r in recs[-3:]])
+        print(f"{k}: {first:.4f} -> {last:.4f}")
+        assert last < 0.9 * first, (k, first, last)
+
+
+def test_pred_stage_beats_majority(sst2_runs, glue_dir):
+    root, teacher, _, pred = sst2_runs
+    recs = _records(root / "pred", "train")
+    assert np.mean([r["train/pred"] for r in recs[-3:]]) < np.mean([r["train/pred"] for r in recs[:3]])
+    # SST-2 dev: 444 positive of 872 -> the majority class scores 0.509.
+    majority = 444 / 872
+    print("student dev acc", pred["best"], "teacher", teacher["best"]["acc"])
+    assert pred["best"]["acc"] >= majority + 0.10
+    # The pred stage used the teacher cache, not the live teacher.
+    assert os.path.isdir(root / "pred" / "cache" / "teacher")
+    assert os.path.exists(root / "pred" / "export" / "model.safetensors")
+
+
+# --------------------------------------------------------------------------- bad configs
+
+def _synthetic(cfg, tmp_path):
+    cfg.data.kind = "synthetic"
+    cfg.data.synthetic_train, cfg.data.synthetic_eval = 64, 32
+    cfg.data.max_len, cfg.data.buckets = 32, (32,)
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    cfg.train.num_steps = 1
+    return cfg
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("stage", "distil", "config.stage='distil' is not valid"),
+    ("objective.name", "tinybert_all", "config.objective.name='tinybert_all' is not valid"),
+    ("data.task", "sst3", "config.data.task"),
+    ("student.init", "copy", "config.student.init='copy' is not valid"),
+])
+def test_unknown_values_stop_early(tmp_path, field, value, msg):
+    c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
+    sec, _, name = field.rpartition(".")
+    (c[sec] if sec else c)[name] = value
+    with pytest.raises(train.ConfigValueError, match=msg.replace("[", r"\[")):
+        train.train_and_evaluate(c, str(tmp_path / "w"))
+    assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_unknown_key_and_layer_map(tmp_path):
+    c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
+    with c.unlocked():
+        c.train.bogus = 1
+    with pytest.raises(train.ConfigValueError, match=r"unknown config keys \['train.bogus'\]"):
+        train.train_and_evaluate(c, str(tmp_path / "w"))
+    c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
+    c.student.update(init="random", num_hidden_layers=4, hidden_size=48, intermediate_size=96,
+                     num_attention_heads=12)
+    c.objective.layer_map = "diagonal"
+    with pytest.raises(ValueError, match="diagonal"):
+        train.train_and_evaluate(c, str(tmp_path / "w2"))
+    c.objective.layer_map = "uniform"   # 4 student layers do not divide 6 teacher layers
+    with pytest.raises(ValueError, match="6"):
+        train.train_and_evaluate(c, str(tmp_path / "w3"))
+
+
+def test_head_count_mismatch_for_attention_loss(tmp_path):
+    c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
+    c.student.update(init="random", num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                     num_attention_heads=8)
+    with pytest.raises(ValueError, match="head"):
+        train.train_and_evaluate(c, str(tmp_path / "w"))
+
+
+def test_vocab_mismatch(tmp_path, teacher_dir):
+    import shutil
+
+    d = tmp_path / "student"
+    shutil.copytree(teacher_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (d / "config.json").write_text(json.dumps(cfg))
+    from jax_tinybert.modeling import BertConfig, BertModel, init_params
+    import jax
+    from jax_tinybert.export import export_hf
+
+    small = BertConfig.from_dict(cfg)
+    params = init_params(BertModel(small), jax.random.PRNGKey(0))
+    export_hf(small, params, str(d), tokenizer_dir=teacher_dir)
+    c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
+    c.student.path = str(d)
+    with pytest.raises(train.ConfigValueError, match="vocab_size 1000 != teacher vocab_size 30522"):
+        train.train_and_evaluate(c, str(tmp_path / "w"))
+
+
+def test_workdir_of_a_different_config(tmp_path):
+    c = _synthetic(_cfg("finetune_teacher.py", "sst2"), tmp_path)
+    c.export.enabled = False
+    train.check_workdir(c, str(tmp_path / "w"))
+    c.optim.learning_rate = 1e-3
+    with pytest.raises(train.ConfigValueError, match="different config .*optim.learning_rate"):
+        train.check_workdir(c, str(tmp_path / "w"))
+    c.optim.learning_rate = _cfg("finetune_teacher.py", "sst2").optim.learning_rate
+    c.train.num_steps = 99  # allowed: extends the run
+    train.check_workdir(c, str(tmp_path / "w"))
+
+
+def test_batch_not_divisible_by_data_axis(tmp_path):
+    env = dict(os.environ, JTB_CPU_DEVICES="8")
+    r = subprocess.run([sys.executable, "-m", "jax_tinybert.main",
+                        "--config=configs/finetune_teacher.py:sst2", f"--workdir={tmp_path / 'w'}",
+                        "--config.train.batch_size=12", "--config.data.kind=synthetic"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "config.train.batch_size=12" in r.stderr and "data-parallel size 8" in r.stderr, r.stderr[-2000:]
