@@ -149,7 +149,10 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
         _write_torch(os.path.join(tmp, TORCH_FILE), torch_state)
         if tokenizer_dir:
             _copy_tokenizer(tokenizer_dir, tmp)
+        # mkdtemp (and safetensors) create owner-only entries; an export is meant to be shared.
         os.chmod(tmp, 0o755)
+        for f in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, f), 0o644)
         _swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,7 +209,15 @@ def _abstract_from_checkpoint(step_dir: str):
     """ShapeDtypeStruct tree of the saved `state` item, read from orbax's metadata."""
     import orbax.checkpoint as ocp
 
-    meta = ocp.StandardCheckpointer().metadata(os.path.join(step_dir, "state"))
+    # The item folder has no checkpoint-level metadata file (the manager keeps it one level
+    # up); orbax warns about that, harmlessly.
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        meta = ocp.StandardCheckpointer().metadata(os.path.join(step_dir, "state"))
+    finally:
+        absl.setLevel(level)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -276,7 +287,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder to write (replaced atomically)")
     ap.add_argument("--which", default="best", choices=("best", "latest"))
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    log.setLevel(logging.INFO)
     out = export_from_workdir(args.workdir, args.out, args.which)
     print(f"exported {args.which} checkpoint of {args.workdir} to {out}")
     return 0
