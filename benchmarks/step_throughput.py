@@ -32,6 +32,13 @@ if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.
     env = dict(os.environ, JTB_BENCH_REEXEC="1", **MALLOC_ENV)
     os.execve(sys.executable, [sys.executable] + sys.argv, env)
 
+# --smoke is a CI check of the wiring, not a measurement: cut XLA's compile time (about half)
+# with cheaper backend optimisation. Must happen before JAX starts its backend.
+_SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if __name__ == "__main__" and "--smoke" in sys.argv[1:] and \
+        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _SMOKE_XLA_FLAGS).strip()
+
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -70,7 +77,7 @@ OFFICIAL_S_PER_STEP = {("tinybert_intermediate", 64): 0.90, ("tinybert_intermedi
 def load_teacher(name: str, smoke: bool = False):
     """-> (BertConfig, params {"bert", "classifier"})."""
     if smoke:
-        cfg = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=4,
+        cfg = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=4, intermediate_size=128,
                          max_position_embeddings=64)
         return cfg, _random_params(cfg, 1)
@@ -198,36 +205,42 @@ def time_jax(case: Case, host_batch, warmup: int, steps: int) -> dict:
     compiled = case.step.lower(state, case.teacher_params, batch).compile()
     compile_s = time.perf_counter() - t0
     flops = _cost_flops(compiled)
-    times = []
+    times, cpu = [], []
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         state, metrics = compiled(state, case.teacher_params, batch)
         jax.block_until_ready((state, metrics))
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     loss = float(metrics["loss"])
     if not math.isfinite(loss):
         raise FloatingPointError(f"{case.stage}: loss is {loss}")
     return {"compile_s": compile_s, "flops": flops, "times": times,
-            "s_per_step": statistics.median(times), "loss": loss}
+            "s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
+            "loss": loss}
 
 
-def time_torch(case: Case, host_batch, warmup: int, steps: int) -> dict:
+def time_torch(case: Case, host_batch, warmup: int, steps: int,
+               student_dropout: bool = True) -> dict:
     import torch
     from torch_reference import TorchReference, to_torch_batch
 
     ref = TorchReference.from_objective(case.obj, case.scfg, case.student_params, case.tcfg,
                                         case.host_teacher_params,
-                                        jax.device_get(case.proj), student_dropout=True)
+                                        jax.device_get(case.proj),
+                                        student_dropout=student_dropout)
     batch = to_torch_batch(host_batch)
-    times = []
+    times, cpu = [], []
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = float(ref.step(batch))
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     del ref
     return {"times": times, "s_per_step": statistics.median(times), "loss": loss,
+            "cpu_s_per_step": statistics.median(cpu),
             "threads": torch.get_num_threads()}
 
 
@@ -237,12 +250,15 @@ def matmul_peak(n: int = 2048, reps: int = 10) -> dict:
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
     f = jax.jit(jnp.matmul)
     jax.block_until_ready(f(a, b))
-    ts = []
+    ts, cs = [], []
     for _ in range(reps + 2):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(f(a, b))
         ts.append(time.perf_counter() - t0)
-    out = {"n": n, "jax_flop_s": 2 * n ** 3 / statistics.median(ts[2:])}
+        cs.append(time.process_time() - c0)
+    out = {"n": n, "jax_flop_s": 2 * n ** 3 / statistics.median(ts[2:]),
+           "jax_flop_per_cpu_s": 2 * n ** 3 / statistics.median(cs[2:]),
+           "loadavg_1m": os.getloadavg()[0]}
     try:
         import torch
 
@@ -271,7 +287,8 @@ def machine_info() -> dict:
     info = {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
             "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None),
             "devices": [str(d) for d in jax.devices()],
-            "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV}}
+            "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:
         import flax
         import optax
@@ -294,7 +311,8 @@ def machine_info() -> dict:
 
 def _fmt_table(rows) -> str:
     head = ("| teacher | student | stage | T | JAX s/step | ex/s | tok/s | GFLOP/step | GFLOP/s "
-            "| % peak | compile s | PyTorch s/step | JAX/PyTorch | official s/step | vs official |")
+            "| % peak | compile s | JAX CPU-s/step | PyTorch s/step | PyTorch CPU-s/step "
+            "| JAX/PyTorch | official s/step | vs official | load |")
     sep = "|" + "---|" * (head.count("|") - 1)
     lines = [head, sep]
     for r in rows:
@@ -305,8 +323,10 @@ def _fmt_table(rows) -> str:
             r["teacher"], r["student"], STAGE_SHORT[r["stage"]], str(r["length"]),
             g("s_per_step", "{:.3f}"), g("examples_per_s", "{:.1f}"), g("tokens_per_s", "{:.0f}"),
             g("gflop_per_step", "{:.1f}"), g("gflop_per_s", "{:.1f}"), g("pct_peak", "{:.0f}%"),
-            g("compile_s", "{:.1f}"), g("torch_s_per_step", "{:.3f}"), g("jax_over_torch", "{:.2f}x"),
-            g("official_s_per_step", "{:.2f}"), g("vs_official", "{:.2f}x")]) + " |")
+            g("compile_s", "{:.1f}"), g("cpu_s_per_step", "{:.2f}"),
+            g("torch_s_per_step", "{:.3f}"), g("torch_cpu_s_per_step", "{:.2f}"),
+            g("jax_over_torch", "{:.2f}x"), g("official_s_per_step", "{:.2f}"),
+            g("vs_official", "{:.2f}x"), g("loadavg_1m", "{:.1f}")]) + " |")
     return "\n".join(lines)
 
 
@@ -319,7 +339,12 @@ def run(args) -> dict:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    if args.prng_impl:
+        jax.config.update("jax_default_prng_impl", args.prng_impl)
     info = machine_info()
+    info["options"] = {"student_dropout": not args.no_student_dropout,
+                       "prng_impl": args.prng_impl or "default (threefry2x32)",
+                       "optimizer": OPT_CFG, "objective_mode": "masked"}
     print(f"# machine: {info['nproc']} x {info['cpu']}; jax {info['jax']}, "
           f"torch {info.get('torch')}, threads torch={info.get('torch_threads')}", flush=True)
     peak = matmul_peak(args.matmul_n)
@@ -340,7 +365,8 @@ def run(args) -> dict:
                         continue
                     host_batch = make_batch(tcfg, args.batch_size, T, seed=T)
                     case = Case(stage, tcfg, tparams, scfg, sparams,
-                                total_steps=args.warmup + args.steps)
+                                total_steps=args.warmup + args.steps,
+                                student_dropout=not args.no_student_dropout)
                     slabel = "(teacher)" if stage == "finetune" else (
                         "tiny" if args.smoke else sname)
                     steps = args.steps
@@ -356,11 +382,14 @@ def run(args) -> dict:
                            "gflop_per_step": j["flops"] / 1e9,
                            "gflop_per_s": j["flops"] / j["s_per_step"] / 1e9,
                            "pct_peak": 100 * j["flops"] / j["s_per_step"] / peak["jax_flop_s"],
+                           "cpu_s_per_step": j["cpu_s_per_step"],
                            "compile_s": j["compile_s"], "loss": j["loss"],
                            "loadavg_1m": os.getloadavg()[0]}
                     if not args.no_torch:
-                        t = time_torch(case, host_batch, args.warmup, steps)
+                        t = time_torch(case, host_batch, args.warmup, steps,
+                                       student_dropout=not args.no_student_dropout)
                         row.update(torch_s_per_step=t["s_per_step"], torch_times=t["times"],
+                                   torch_cpu_s_per_step=t["cpu_s_per_step"],
                                    jax_over_torch=t["s_per_step"] / j["s_per_step"])
                     off = OFFICIAL_S_PER_STEP.get((stage, T))
                     if off and tname == "minilm" and sname == "tinybert4" and not args.smoke \
@@ -397,6 +426,11 @@ def parse_args(argv=None):
     p.add_argument("--skip", type=_csv, default=[],
                    help="teacher:length pairs to skip, e.g. bert_base:128")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    p.add_argument("--no-student-dropout", action="store_true",
+                   help="student deterministic (default: dropout on, as in training)")
+    p.add_argument("--prng-impl", default=None,
+                   help="jax_default_prng_impl for the dropout masks (threefry2x32 default, "
+                        "rbg, unsafe_rbg)")
     p.add_argument("--torch-threads", type=int, default=2)
     p.add_argument("--matmul-n", type=int, default=2048)
     p.add_argument("--smoke", action="store_true",
