@@ -1,0 +1,423 @@
+#!/usr/bin/env python
+"""GLUE end to end: teacher fine-tune -> general distillation -> task distillation, with the
+plain-KD and PKD baselines on the same student, and measured inference speed.
+
+Per task (SST-2, MRPC, STS-B by default), each stage an ordinary `train_and_evaluate` call in
+its own sub-workdir (finished stages are skipped on rerun: their summary.json exists):
+
+    <workdir>/general                    general distillation of the student (shared by the tasks)
+    <workdir>/<task>/teacher             fine-tune the packaged MiniLM-L6 teacher (configs/finetune_teacher.py)
+    <workdir>/<task>/inter, pred         TinyBERT task distillation without augmentation
+    <workdir>/<task>/inter_da, pred_da   the same on augmented data (needs --mlm, see below)
+    <workdir>/<task>/kd                  plain KD (objective kd) from the general student
+    <workdir>/<task>/pkd                 PKD-Skip, student = the teacher's layers 1..3 (configs/pkd.py)
+
+The student is the "small" shape of configs/general_distill.py (3 layers, d 384, d_ff 1536,
+12 heads): PKD initialises the student from 3 of the teacher's 6 layers, so this is the shape
+on which all three methods compare, and 3 divides the teacher's 6 layers (uniform map).
+
+Data augmentation needs a masked LM (jax_tinybert/data/augment.py: MLM top-K for one-piece words,
+embedding neighbours only for multi-piece words; there is no MLM-free mode). The packaged MiniLM has
+no MLM head, so offline the "with DA" rows are skipped with a note. `--mlm PATH` (an HF BERT
+with cls.predictions.*, e.g. bert-base-uncased when online) runs them; `--mlm random-tiny` uses
+a small random MLM on the teacher's vocabulary: a wiring check only, its augmentations are noise.
+
+    .venv/bin/python benchmarks/glue.py --budget small                 # CI smoke, < 2 min
+    .venv/bin/python benchmarks/glue.py --budget hour --out glue.md    # ~1 h on 2 CPU cores
+    .venv/bin/python benchmarks/glue.py --budget full --mlm bert-base-uncased   # accelerators
+
+Writes a markdown table to stdout and to --out (and results.json in the workdir).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from typing import Dict, List, Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(_HERE)
+sys.path.insert(0, REPO)
+
+TASKS = ("sst2", "mrpc", "stsb")
+STUDENT = "small"  # configs/general_distill.py variant: 3 layers, d 384, d_ff 1536, 12 heads
+
+# Per budget: subsets (0 = all), steps per stage (0 = the config's epochs), batch sizes, lengths
+# and learning rates (None = the config's own). "full" = the official recipes of configs/*.py.
+BUDGETS: Dict[str, dict] = {
+    "small": dict(
+        train_subset=48, eval_subset=48, batch=8, eval_batch=16, max_len=32, pair_max_len=32,
+        corpus_files=("gutenberg_pg1656_plato_apology_jowett.txt",), corpus_subset=64,
+        general_batch=8, general_seq_len=32,
+        steps=dict(teacher=3, general=3, inter=3, pred=3, kd=3, pkd=3),
+        lr=dict(teacher=5e-5, general=5e-4, inter=2e-4, pred=2e-4, kd=1e-4, pkd=5e-5),
+        evals_per_stage=1, repeats=2, da_N=2, da_K=4),
+    "hour": dict(
+        train_subset={"sst2": 3000, "mrpc": 2000, "stsb": 2000}, eval_subset={"stsb": 800},
+        batch=32, eval_batch=64, max_len=64, pair_max_len=128,
+        corpus_files=(), corpus_subset=0, general_batch=32, general_seq_len=64,
+        steps=dict(teacher={"sst2": 200, "mrpc": 150, "stsb": 150}, general=400,
+                   inter={"sst2": 150, "mrpc": 100, "stsb": 100},
+                   pred={"sst2": 150, "mrpc": 120, "stsb": 120},
+                   kd={"sst2": 150, "mrpc": 120, "stsb": 120},
+                   pkd={"sst2": 150, "mrpc": 120, "stsb": 120}),
+        lr=dict(teacher=5e-5, general=5e-4, inter=2e-4, pred=2e-4, kd=2e-4, pkd=5e-5),
+        evals_per_stage=2, repeats=10, da_N=4, da_K=15),
+    "full": dict(
+        train_subset=0, eval_subset=0, batch=None, eval_batch=None, max_len=None,
+        pair_max_len=None, corpus_files=(), corpus_subset=0, general_batch=None,
+        general_seq_len=None, steps=dict(teacher=0, general=0, inter=0, pred=0, kd=0, pkd=0),
+        lr=dict(teacher=None, general=None, inter=None, pred=None, kd=None, pkd=None),
+        evals_per_stage=0, repeats=20, da_N=20, da_K=15),
+}
+PAIR_TASKS = {"mrpc", "stsb"}
+
+
+def _per_task(v, task):
+    return v.get(task, 0) if isinstance(v, dict) else v
+
+
+def _load_config(name: str, arg: str):
+    path = os.path.join(REPO, "configs", name + ".py")
+    spec = importlib.util.spec_from_file_location(f"_jtb_cfg_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(arg)
+
+
+def _set(c, overrides: Dict[str, object]):
+    for key, v in overrides.items():
+        if v is None:
+            continue
+        sec, field = key.split(".", 1)
+        c[sec][field] = v
+    return c
+
+
+def _run(cfg, workdir: str) -> dict:
+    from jax_tinybert import train
+
+    done = os.path.join(workdir, "summary.json")
+    if os.path.exists(done):
+        with open(done) as fh:
+            print(f"[{os.path.basename(workdir)}] already done in {workdir} (delete it to rerun)",
+                  flush=True)
+            return json.load(fh)
+    print(f"\n##### stage {workdir}", flush=True)
+    return train.train_and_evaluate(cfg, workdir)
+
+
+# --------------------------------------------------------------------------- augmentation
+
+def _write_subset_tsv(glue_dir: str, task: str, n: int, seed: int, out_path: str) -> str:
+    """The training rows the un-augmented stages see (same seeded choice as train._subset),
+    as a TSV, so that augmentation costs scale with the subset, not the whole train set."""
+    import numpy as np
+
+    from jax_tinybert.data import glue
+
+    spec = glue.get_task(task)
+    with open(glue.tsv_path(glue_dir, spec, "train"), encoding="utf-8-sig", newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    header = [rows.pop(0)] if spec.has_header else []
+    if n and n < len(rows):
+        idx = np.sort(np.random.default_rng(seed).permutation(len(rows))[:n])
+        rows = [rows[i] for i in idx]
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    tmp = out_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        for r in header + rows:
+            f.write("\t".join(r) + "\n")
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def _augmenter(mlm: str, tokenizer_dir: str, N: int, K: int, max_len: int):
+    import jax
+
+    from jax_tinybert.data import augment, tokenize
+    from jax_tinybert.hf import load_pretrained
+    from jax_tinybert.modeling import BertConfig, BertForMaskedLM, init_params
+
+    tok = tokenize.load_tokenizer(tokenizer_dir if mlm == "random-tiny" else mlm)
+    if mlm == "random-tiny":
+        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=512)
+        model = BertForMaskedLM(cfg)
+        params = init_params(model, jax.random.PRNGKey(0))
+    else:
+        cfg, params = load_pretrained(mlm, mlm_head=True)
+        model = BertForMaskedLM(cfg)
+    return augment.Augmenter(tok, model, params, N=N, K=K, p=0.4, seed=42, max_seq_len=max_len,
+                             batch_size=64, buckets=(32, 64, 128))
+
+
+def augmented_train_file(args, task: str, b: dict, tdir: str, tokenizer_dir: str) -> dict:
+    """<tdir>/data/train_aug.tsv from the (subset) train rows; returns info for the table."""
+    from jax_tinybert.data import glue
+
+    out = os.path.join(tdir, "data", "train_aug.tsv")
+    info_path = out + ".json"
+    if os.path.exists(info_path):
+        with open(info_path) as fh:
+            return json.load(fh)
+    t0 = time.time()
+    sub = _write_subset_tsv(args.glue_dir, task, _per_task(b["train_subset"], task), 0,
+                            os.path.join(tdir, "data", "train.tsv"))
+    max_len = b["pair_max_len" if task in PAIR_TASKS else "max_len"] or 128
+    aug = _augmenter(args.mlm, tokenizer_dir, b["da_N"], b["da_K"], max(max_len, 32))
+    stats = aug.augment_tsv(glue.get_task(task), sub, out)
+    info = {"path": out, **stats, "wall_s": time.time() - t0, "mlm": args.mlm,
+            "N": b["da_N"], "K": b["da_K"]}
+    with open(info_path, "w") as fh:
+        json.dump(info, fh)
+    return info
+
+
+# --------------------------------------------------------------------------- stages
+
+def common_overrides(args, b: dict, task: Optional[str], kind: str) -> dict:
+    o = {"data.glue_dir": args.glue_dir, "data.cache_dir": os.path.join(args.workdir, "cache"),
+         "train.log_every": 25 if args.budget != "small" else 1}
+    if task is not None:
+        o.update({"data.train_subset": _per_task(b["train_subset"], task),
+                  "data.eval_subset": _per_task(b["eval_subset"], task),
+                  "train.batch_size": b["batch"], "train.eval_batch_size": b["eval_batch"]})
+        ml = b["pair_max_len" if task in PAIR_TASKS else "max_len"]
+        if ml:
+            o["data.max_len"] = ml
+            o["data.buckets"] = tuple(x for x in (32, 64, 128) if x <= ml)
+    steps = _per_task(b["steps"][kind], task)
+    if steps:
+        o["train.num_steps"] = steps
+        if b["evals_per_stage"]:
+            o["train.eval_every"] = max(1, steps // b["evals_per_stage"])
+    o["optim.learning_rate"] = b["lr"][kind]
+    return o
+
+
+def run_general(args, b: dict) -> dict:
+    c = _load_config("general_distill", STUDENT)
+    corpus = args.corpus
+    if b["corpus_files"]:
+        corpus = ",".join(os.path.join(args.corpus, f) for f in b["corpus_files"])
+    o = common_overrides(args, b, None, "general")
+    o.update({"data.corpus": corpus, "data.train_subset": b["corpus_subset"],
+              "data.seq_len": b["general_seq_len"], "train.batch_size": b["general_batch"],
+              "teacher.path": "packaged"})
+    return _run(_set(c, o), os.path.join(args.workdir, "general"))
+
+
+def run_task(args, b: dict, task: str, general_export: str) -> dict:
+    tdir = os.path.join(args.workdir, task)
+    teacher_export = os.path.join(tdir, "teacher", "export")
+    res: Dict[str, dict] = {}
+    c = _set(_load_config("finetune_teacher", task),
+             {**common_overrides(args, b, task, "teacher"), "teacher.path": "packaged"})
+    res["teacher"] = _run(c, os.path.join(tdir, "teacher"))
+
+    def tinybert(suffix: str, train_file: str = ""):
+        c = _load_config("task_distill", f"{task}_intermediate")
+        o = {**common_overrides(args, b, task, "inter"), "teacher.path": teacher_export,
+             "student.path": general_export}
+        if train_file:
+            o.update({"data.train_file": train_file, "data.train_subset": 0})
+        res["inter" + suffix] = _run(_set(c, o), os.path.join(tdir, "inter" + suffix))
+        c = _load_config("task_distill", f"{task}_pred")
+        o = {**common_overrides(args, b, task, "pred"), "teacher.path": teacher_export,
+             "student.path": os.path.join(tdir, "inter" + suffix, "export")}
+        if train_file:
+            o.update({"data.train_file": train_file, "data.train_subset": 0})
+        res["pred" + suffix] = _run(_set(c, o), os.path.join(tdir, "pred" + suffix))
+
+    tinybert("")
+    if args.mlm:
+        info = augmented_train_file(args, task, b, tdir, teacher_export)
+        res["da_info"] = info
+        tinybert("_da", info["path"])
+
+    # Plain KD from the same general-distilled student (configs: task_distill base + kd).
+    c = _load_config("task_distill", f"{task}_pred")
+    c.stage = "kd"
+    c.objective.name = "kd"
+    c.objective.temperature = 2.0
+    c.objective.alpha = 0.5
+    c.objective.t2 = True
+    o = {**common_overrides(args, b, task, "kd"), "teacher.path": teacher_export,
+         "student.path": general_export}
+    res["kd"] = _run(_set(c, o), os.path.join(tdir, "kd"))
+
+    # PKD-Skip, student = teacher layers (1, 2, 3) of the fine-tuned teacher.
+    c = _load_config("pkd", task)
+    o = {**common_overrides(args, b, task, "pkd"), "teacher.path": teacher_export}
+    res["pkd"] = _run(_set(c, o), os.path.join(tdir, "pkd"))
+    return res
+
+
+# --------------------------------------------------------------------------- table
+
+def _metric(summary: dict) -> Optional[float]:
+    best = summary.get("best") or {}
+    return best.get("main")
+
+
+def measure_inference(tdir: str, task: str, b: dict, cache: dict) -> dict:
+    """Teacher vs student jitted forward (batch 32 x the task's max length), median ms."""
+    from jax_tinybert.pipeline import inference_ms
+
+    path = os.path.join(tdir, "inference.json")
+    if os.path.exists(path):
+        with open(path) as fh:
+            return json.load(fh)
+    seq = b["pair_max_len" if task in PAIR_TASKS else "max_len"] or (128 if task in PAIR_TASKS
+                                                                    else 64)
+    r = b["repeats"]
+    out = {"seq_len": seq, "batch": 32, "repeats": r,
+           "teacher_ms": inference_ms(os.path.join(tdir, "teacher", "export"), 32, seq, r),
+           "student_ms": inference_ms(os.path.join(tdir, "pred", "export"), 32, seq, r)}
+    with open(path, "w") as fh:
+        json.dump(out, fh)
+    return out
+
+
+def make_table(args, b: dict, general: dict, results: Dict[str, dict],
+               infer: Dict[str, dict], total_s: float) -> str:
+    import jax
+
+    from jax_tinybert.data import glue
+
+    L = []
+    L.append(f"GLUE dev, budget `{args.budget}`; student = 3 layers, d 384, d_ff 1536, 12 heads "
+             f"(configs/general_distill.py:{STUDENT}); teacher = packaged all-MiniLM-L6-v2 "
+             "fine-tuned per task. % = student / teacher on the task's main metric. "
+             "Inference = jitted forward, batch 32 x task length, median, on "
+             f"{jax.devices()[0].platform} ({os.cpu_count()} cores).")
+    L.append("")
+    L.append("| task (metric) | model | dev | % of teacher | params | ms/batch | speedup | "
+             "stage wall s |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---|")
+    gw = general.get("wall_s", 0.0)
+    for task, res in results.items():
+        spec = glue.get_task(task)
+        t = res["teacher"]
+        tm = _metric(t)
+        inf = infer.get(task, {})
+        tms, sms = inf.get("teacher_ms"), inf.get("student_ms")
+        name = f"{spec.dir_name} ({spec.main_metric})"
+        fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
+        pct = lambda x: "n/a" if x is None or not tm else f"{100 * x / tm:.1f}%"
+        L.append(f"| {name} | teacher MiniLM-L6 (fine-tuned) | {fmt(tm)} | 100% | "
+                 f"{t['student_params']:,} | {tms:.1f} | 1.0x | finetune {t['wall_s']:.0f} |"
+                 if tms else f"| {name} | teacher | {fmt(tm)} | 100% | {t['student_params']:,} "
+                 f"| n/a | n/a | finetune {t['wall_s']:.0f} |")
+        rows = [("TinyBERT (GD + inter + pred), no DA", ("inter", "pred"), True)]
+        if "pred_da" in res:
+            label = "TinyBERT with DA" + (" (random-tiny MLM: wiring check)"
+                                          if args.mlm == "random-tiny" else f" (MLM {args.mlm})")
+            rows.append((label, ("inter_da", "pred_da"), True))
+        rows += [("plain KD (GD student, objective kd)", ("kd",), True),
+                 ("PKD-Skip (teacher layers 1-3)", ("pkd",), False)]
+        for label, stages, uses_general in rows:
+            last = res[stages[-1]]
+            m = _metric(last)
+            walls = (["general %.0f (shared)" % gw] if uses_general else []) + [
+                f"{s} {res[s]['wall_s']:.0f}" for s in stages]
+            speed = f"{tms / sms:.2f}x" if tms and sms else "n/a"
+            L.append(f"| {name} | {label} | {fmt(m)} | {pct(m)} | {last['student_params']:,} | "
+                     f"{sms:.1f} | {speed} | {', '.join(walls)} |" if sms else
+                     f"| {name} | {label} | {fmt(m)} | {pct(m)} | {last['student_params']:,} | "
+                     f"n/a | n/a | {', '.join(walls)} |")
+        if "pred_da" not in res:
+            L.append(f"| {name} | TinyBERT with DA | skipped | | | | | no masked LM offline: the "
+                     "packaged MiniLM has no MLM head and augment.py needs one (pass --mlm) |")
+    L.append("")
+    L.append(budget_note(args, b))
+    L.append(f"Total wall time of this invocation: {total_s:.0f} s (stages already done were "
+             "read from their summary.json).")
+    return "\n".join(L)
+
+
+def budget_note(args, b: dict) -> str:
+    if args.budget == "full":
+        return ("Budget `full`: the official recipes of configs/*.py (full train sets and dev "
+                "sets, epochs, batch sizes, lengths and learning rates as the configs state).")
+    parts = [f"Budget `{args.budget}`: train subsets {b['train_subset']} (seeded), dev subsets "
+             f"{b['eval_subset'] or 'none (full dev)'}; batch {b['batch']}; max length "
+             f"{b['max_len']} (single) / {b['pair_max_len']} (pairs); steps per stage "
+             f"{json.dumps(b['steps'])}; learning rates {json.dumps(b['lr'])}; general "
+             f"distillation on {'the corpus files ' + ', '.join(b['corpus_files']) if b['corpus_files'] else args.corpus}"
+             f" (subset {b['corpus_subset'] or 'all'} packed sequences, length "
+             f"{b['general_seq_len']}, batch {b['general_batch']})."]
+    if args.mlm:
+        parts.append(f"DA: N={b['da_N']}, K={b['da_K']}, p=0.4 on the train subset.")
+    return " ".join(parts)
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", choices=sorted(BUDGETS), default="small")
+    ap.add_argument("--glue_dir", default=os.path.join(REPO, "..", "shared", "data", "glue"))
+    ap.add_argument("--corpus", default=os.path.join(REPO, "..", "shared", "data", "corpus"))
+    ap.add_argument("--tasks", default=",".join(TASKS), help="comma list of sst2,mrpc,stsb")
+    ap.add_argument("--workdir", default=None,
+                    help="default: /tmp/jax_tinybert_glue_<budget> (outside the repo)")
+    ap.add_argument("--mlm", default="", help="masked LM for data augmentation (HF folder / hub "
+                    "name with an MLM head), or 'random-tiny' (wiring check); empty: skip DA")
+    ap.add_argument("--train_subset", type=int, default=None, help="override the budget's")
+    ap.add_argument("--eval_subset", type=int, default=None, help="override the budget's")
+    ap.add_argument("--no_compile_cache", action="store_true",
+                    help="do not use a persistent XLA compilation cache in <workdir>/jax_cache")
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    args = ap.parse_args(argv)
+    args.glue_dir = os.path.abspath(args.glue_dir)
+    args.corpus = os.path.abspath(args.corpus)
+    args.workdir = os.path.abspath(args.workdir or f"/tmp/jax_tinybert_glue_{args.budget}")
+    b = dict(BUDGETS[args.budget])
+    if args.train_subset is not None:
+        b["train_subset"] = args.train_subset
+    if args.eval_subset is not None:
+        b["eval_subset"] = args.eval_subset
+    tasks = [t.strip().lower().replace("-", "") for t in args.tasks.split(",") if t.strip()]
+    for t in tasks:
+        if t not in TASKS:
+            ap.error(f"--tasks: {t!r} is not one of {TASKS}")
+    if not os.path.isdir(args.glue_dir):
+        ap.error(f"--glue_dir {args.glue_dir} does not exist")
+    os.makedirs(args.workdir, exist_ok=True)
+    if not args.no_compile_cache:
+        # Stages of different tasks compile the same programs (same shapes): XLA's persistent
+        # cache makes the second task's compiles cache hits.
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "jax_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+    t0 = time.time()
+    general = run_general(args, b)
+    general_export = os.path.join(args.workdir, "general", "export")
+    results, infer = {}, {}
+    for task in tasks:
+        results[task] = run_task(args, b, task, general_export)
+        infer[task] = measure_inference(os.path.join(args.workdir, task), task, b, {})
+    total = time.time() - t0
+    table = make_table(args, b, general, results, infer, total)
+    print("\n" + table, flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(table + "\n")
+    with open(os.path.join(args.workdir, "results.json"), "w") as fh:
+        json.dump({"budget": args.budget, "date": datetime.datetime.now().isoformat(),
+                   "machine": platform.platform(), "general": general, "tasks": results,
+                   "inference": infer, "total_s": total}, fh, indent=1, default=float)
+    return table
+
+
+if __name__ == "__main__":
+    main()
