@@ -31,6 +31,9 @@ flags.DEFINE_string("coordinator", None, "host:port of process 0 for multi-proce
 flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-process run.")
 flags.DEFINE_integer("process_id", None, "This process's index (0-based).")
 flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for the other processes to join.")
+flags.DEFINE_integer("heartbeat_timeout", None, "Seconds without a heartbeat after which a "
+                     "process counts as dead and the others abort (default: env "
+                     "JTB_HEARTBEAT_TIMEOUT, else JAX's 100).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -43,7 +46,8 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("jax_tinybert").setLevel(logging.INFO)
     sharding.maybe_initialize_distributed(FLAGS.coordinator, FLAGS.num_processes,
-                                          FLAGS.process_id, timeout_s=FLAGS.init_timeout)
+                                          FLAGS.process_id, timeout_s=FLAGS.init_timeout,
+                                          heartbeat_timeout_s=FLAGS.heartbeat_timeout)
     import jax
 
     if jax.process_index() != 0:

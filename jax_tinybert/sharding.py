@@ -34,14 +34,17 @@ def _env_int(name: str) -> Optional[int]:
 def maybe_initialize_distributed(coordinator: Optional[str] = None,
                                  num_processes: Optional[int] = None,
                                  process_id: Optional[int] = None,
-                                 timeout_s: int = 120, auto: bool = True) -> bool:
+                                 timeout_s: int = 120, auto: bool = True,
+                                 heartbeat_timeout_s: Optional[int] = None) -> bool:
     """Starts `jax.distributed` when a multi-process run is asked for or detected.
 
     Explicit: arguments, else env JTB_COORDINATOR (host:port), JTB_NUM_PROCESSES,
     JTB_PROCESS_ID. Detected (auto=True): SLURM with more than one task, or a multi-host TPU VM;
     JAX reads their own variables then. Must run before any other JAX call. Returns True if
     initialised. A coordinator that cannot be reached fails within `timeout_s` seconds with the
-    address it tried.
+    address it tried. `heartbeat_timeout_s` (default: env JTB_HEARTBEAT_TIMEOUT, else JAX's 100 s)
+    bounds how long the survivors of a crashed/killed process wait before they abort (JAX's
+    coordination service declares the silent process dead and terminates every other one).
     """
     coordinator = coordinator or os.environ.get("JTB_COORDINATOR") or None
     num_processes = num_processes if num_processes is not None else _env_int("JTB_NUM_PROCESSES")
@@ -71,6 +74,10 @@ def maybe_initialize_distributed(coordinator: Optional[str] = None,
     else:
         return False
     where = coordinator or "auto-detected coordinator"
+    if heartbeat_timeout_s is None:
+        heartbeat_timeout_s = _env_int("JTB_HEARTBEAT_TIMEOUT")
+    if heartbeat_timeout_s is not None:
+        kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_s)
     try:
         jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
     except Exception as e:  # jax raises several types; all mean "could not join"
