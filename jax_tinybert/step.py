@@ -94,7 +94,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
             metrics = jax.tree_util.tree_map(lambda m: m / grad_accum, metrics)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads),
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
                        lr=jnp.asarray(schedule(state.step), jnp.float32))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
