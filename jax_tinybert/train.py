@@ -415,8 +415,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         if cache is not None:
             batch.update(cache.lookup(batch["example_id"]))
         feed = {k: v for k, v in batch.items() if k != "example_id"}
-        if "labels" not in feed and data.task is None:
-            pass
         state, metrics = train_step(state, teacher_params, shd.shard_batch(feed, mesh))
         step += 1
         ex_since += config.train.batch_size
