@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
+import time
 from typing import Any, Optional, Sequence, Tuple
 
 import jax
@@ -49,8 +51,10 @@ def maybe_initialize_distributed(coordinator: Optional[str] = None,
     coordinator = coordinator or os.environ.get("JTB_COORDINATOR") or None
     num_processes = num_processes if num_processes is not None else _env_int("JTB_NUM_PROCESSES")
     process_id = process_id if process_id is not None else _env_int("JTB_PROCESS_ID")
-    if os.environ.get("JTB_CPU_DEVICES") or (coordinator and jax.default_backend() == "cpu"):
-        # CPU collectives across processes need gloo (DESIGN.md section 6).
+    if os.environ.get("JTB_CPU_DEVICES") or coordinator:
+        # CPU collectives across processes need gloo (DESIGN.md section 6). A config flag only
+        # (harmless on GPU/TPU): asking for jax.default_backend() here would start the backend,
+        # after which jax.distributed.initialize refuses to run.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = {}
     if coordinator:
@@ -74,6 +78,12 @@ def maybe_initialize_distributed(coordinator: Optional[str] = None,
     else:
         return False
     where = coordinator or "auto-detected coordinator"
+    if coordinator and process_id != 0:
+        # JAX aborts the whole process (a C++ fatal error, no Python exception) when the
+        # coordinator cannot be reached; check first, so the error names the address.
+        t0 = time.monotonic()
+        _wait_reachable(coordinator, timeout_s, process_id, num_processes)
+        timeout_s = max(1, int(round(timeout_s - (time.monotonic() - t0))))
     if heartbeat_timeout_s is None:
         heartbeat_timeout_s = _env_int("JTB_HEARTBEAT_TIMEOUT")
     if heartbeat_timeout_s is not None:
@@ -89,6 +99,28 @@ def maybe_initialize_distributed(coordinator: Optional[str] = None,
              jax.process_index(), jax.process_count(), jax.local_device_count(),
              jax.device_count())
     return True
+
+
+def _wait_reachable(address: str, timeout_s: float, process_id, num_processes) -> None:
+    """Retries a TCP connection to host:port until it succeeds or `timeout_s` runs out."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise DistributedInitError(f"coordinator address {address!r} is not HOST:PORT")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, left))):
+                return
+        except OSError as e:
+            err = e
+        if time.monotonic() + 0.25 >= deadline:
+            raise DistributedInitError(
+                f"cannot reach the coordinator at {address} within {timeout_s}s (process "
+                f"{process_id} of {num_processes}): {type(err).__name__}: {err}. Check that "
+                "process 0 is running and that the address/port is reachable from this host.")
+        time.sleep(0.25)
 
 
 def mesh_shape(spec: dict, num_devices: int) -> Tuple[int, int, int]:
