@@ -4,7 +4,7 @@ A 20-step run straight through vs the same command hard-killed (SIGKILL) or pree
 after its step-10 checkpoint, then started again: the resumed run continues from the saved step,
 its losses match the straight run's step for step (<= 1e-5) and its final TrainState (student +
 projection params, optimizer state, rng) equals the straight run's (<= 1e-6). The same for a
-2-process x 4-device job (launch/local_multiprocess.sh) with one process SIGKILLed.
+2-process x 4-device job with one process SIGKILLed: tests/test_multiprocess.py.
 
 Runs use a tiny random teacher (tests/helpers/tiny_run.py) so each compiles in seconds; the killed
 runs go through tests/helpers/slow_main.py (jax_tinybert.main with a sleep after each logged
@@ -122,49 +122,3 @@ def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
     from_step = _resumed_step(res.stdout)
     assert from_step == saved
     _check_resumed(straight, wd, n_before, from_step)
-
-
-def _launch(args, env, log_dir, module):
-    return subprocess.Popen(["bash", str(REPO / "launch" / "local_multiprocess.sh"), "-n", "2", "-d",
-                             "4", "-q", "-t", str(RUN_TIMEOUT), "-l", str(log_dir), "-m", module,
-                             "--", *map(str, args)], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-@pytest.mark.timeout(900)
-def test_kill_and_resume_two_processes(setup, tmp_path):
-    """2 processes x 4 CPU devices: straight vs process 1 SIGKILLed after checkpoint 10 (the
-    launcher then stops process 0) and the same launch command run again."""
-    teacher, cache = setup
-    env = _env(cache, JTB_HEARTBEAT_TIMEOUT="10")
-    ref = tmp_path / "straight"
-    p = _launch(T.train_args(ref, teacher, steps=STEPS), env, tmp_path / "logs_straight",
-                "jax_tinybert.main")
-    out, _ = p.communicate(timeout=RUN_TIMEOUT + 30)
-    assert p.returncode == 0, out[-3000:]
-
-    wd = tmp_path / "killed"
-    args = T.train_args(wd, teacher, steps=STEPS)
-    p = _launch(args, env, tmp_path / "logs_killed", "slow_main")
-    try:
-        T.wait_for(lambda: T.checkpoint_done(wd, 10), RUN_TIMEOUT, p, "checkpoint 10")
-        workers = {T.process_env_var(c, "JTB_PROCESS_ID"): c for c in T.children(p.pid)}
-        os.kill(workers["1"], signal.SIGKILL)
-        out, _ = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode != 0, out[-3000:]
-    assert "process 1" in out and "failed" in out, out[-3000:]
-    assert not any(T.alive(pid) for pid in workers.values())
-    seen = T.read_metrics(wd)
-    assert max(seen) < STEPS, "the run finished before the kill: nothing was tested"
-
-    n_before = _n_records(wd)
-    p = _launch(args, env, tmp_path / "logs_resumed", "jax_tinybert.main")
-    out, _ = p.communicate(timeout=RUN_TIMEOUT + 30)
-    assert p.returncode == 0, out[-3000:]
-    log0 = (tmp_path / "logs_resumed" / "process_0.log").read_text()
-    from_step = _resumed_step(log0)
-    assert from_step >= 10 and from_step % 5 == 0
-    _check_resumed(ref, wd, n_before, from_step)
