@@ -68,7 +68,7 @@ BUDGETS: Dict[str, dict] = {
                    kd={"sst2": 150, "mrpc": 120, "stsb": 120},
                    pkd={"sst2": 150, "mrpc": 120, "stsb": 120}),
         lr=dict(teacher=5e-5, general=5e-4, inter=2e-4, pred=2e-4, kd=2e-4, pkd=5e-5),
-        evals_per_stage=2, repeats=10, da_N=4, da_K=15),
+        evals_per_stage=1, repeats=10, da_N=4, da_K=15),
     "full": dict(
         train_subset=0, eval_subset=0, batch=None, eval_batch=None, max_len=None,
         pair_max_len=None, corpus_files=(), corpus_subset=0, general_batch=None,
@@ -194,6 +194,8 @@ def common_overrides(args, b: dict, task: Optional[str], kind: str) -> dict:
             o["data.max_len"] = ml
             o["data.buckets"] = tuple(x for x in (32, 64, 128) if x <= ml)
     steps = _per_task(b["steps"][kind], task)
+    if steps and args.steps_scale != 1.0:
+        steps = max(1, int(round(steps * args.steps_scale)))
     if steps:
         o["train.num_steps"] = steps
         if b["evals_per_stage"]:
@@ -286,6 +288,24 @@ def measure_inference(tdir: str, task: str, b: dict, cache: dict) -> dict:
     return out
 
 
+def majority_baseline(args, task: str) -> Optional[float]:
+    """Main metric of predicting the most frequent dev label for every example (full dev set;
+    classification tasks only): the score a collapsed student gets."""
+    import numpy as np
+
+    from jax_tinybert import metrics
+    from jax_tinybert.data import glue
+
+    spec = glue.get_task(task)
+    if spec.labels is None:
+        return None
+    ex = glue.load_examples(task, "dev", glue_dir=args.glue_dir)
+    labels = np.array([spec.labels.index(e.label) if isinstance(e.label, str) else int(e.label)
+                       for e in ex])
+    major = np.bincount(labels).argmax()
+    return float(metrics.score(task, np.full_like(labels, major), labels))
+
+
 def make_table(args, b: dict, general: dict, results: Dict[str, dict],
                infer: Dict[str, dict], total_s: float) -> str:
     import jax
@@ -333,6 +353,10 @@ def make_table(args, b: dict, general: dict, results: Dict[str, dict],
                      f"{sms:.1f} | {speed} | {', '.join(walls)} |" if sms else
                      f"| {name} | {label} | {fmt(m)} | {pct(m)} | {last['student_params']:,} | "
                      f"n/a | n/a | {', '.join(walls)} |")
+        maj = majority_baseline(args, task)
+        if maj is not None:
+            L.append(f"| {name} | (majority class, full dev: what a collapsed model scores) | "
+                     f"{maj:.4f} | {pct(maj)} | | | | |")
         if "pred_da" not in res:
             L.append(f"| {name} | TinyBERT with DA | skipped | | | | | no masked LM offline: the "
                      "packaged MiniLM has no MLM head and augment.py needs one (pass --mlm) |")
@@ -350,7 +374,9 @@ def budget_note(args, b: dict) -> str:
     parts = [f"Budget `{args.budget}`: train subsets {b['train_subset']} (seeded), dev subsets "
              f"{b['eval_subset'] or 'none (full dev)'}; batch {b['batch']}; max length "
              f"{b['max_len']} (single) / {b['pair_max_len']} (pairs); steps per stage "
-             f"{json.dumps(b['steps'])}; learning rates {json.dumps(b['lr'])}; general "
+             f"{json.dumps(b['steps'])}"
+             + (f" x {args.steps_scale} (rounded)" if args.steps_scale != 1.0 else "")
+             + f"; learning rates {json.dumps(b['lr'])}; general "
              f"distillation on {'the corpus files ' + ', '.join(b['corpus_files']) if b['corpus_files'] else args.corpus}"
              f" (subset {b['corpus_subset'] or 'all'} packed sequences, length "
              f"{b['general_seq_len']}, batch {b['general_batch']})."]
@@ -371,6 +397,9 @@ def main(argv=None) -> str:
                     "name with an MLM head), or 'random-tiny' (wiring check); empty: skip DA")
     ap.add_argument("--train_subset", type=int, default=None, help="override the budget's")
     ap.add_argument("--eval_subset", type=int, default=None, help="override the budget's")
+    ap.add_argument("--steps_scale", type=float, default=1.0,
+                    help="multiply the budget's steps per stage (e.g. 0.5 on a busy machine); "
+                    "the table states the steps run")
     ap.add_argument("--no_compile_cache", action="store_true",
                     help="do not use a persistent XLA compilation cache in <workdir>/jax_cache")
     ap.add_argument("--out", default=None, help="also write the markdown table here")

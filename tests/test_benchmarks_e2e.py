@@ -1,0 +1,55 @@
+"""The end-to-end benchmarks cannot rot: benchmarks/glue.py (--budget small, one task, every
+stage including the DA wiring with a random tiny MLM) and benchmarks/inference.py (--smoke) run
+in subprocesses, as users run them. Results are checked for shape, never for quality."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path, timeout):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable] + args, cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    return p.stdout
+
+
+def test_glue_small_budget_end_to_end(tmp_path, glue_dir, shared_dir, teacher_dir):
+    out = tmp_path / "glue.md"
+    wd = tmp_path / "wd"
+    args = [str(REPO / "benchmarks" / "glue.py"), "--budget", "small", "--tasks", "sst2",
+            "--glue_dir", str(glue_dir), "--corpus", str(shared_dir / "data" / "corpus"),
+            "--workdir", str(wd), "--mlm", "random-tiny", "--train_subset", "24",
+            "--eval_subset", "16", "--out", str(out)]
+    stdout = _run(args, tmp_path, timeout=600)
+    table = out.read_text()
+    assert table in stdout
+    rows = [line for line in table.splitlines() if line.startswith("| SST-2")]
+    names = " ".join(rows)
+    for model in ("teacher", "no DA", "with DA", "plain KD", "PKD"):
+        assert model in names, (model, table)
+    assert "skipped" not in names
+    res = json.loads((wd / "results.json").read_text())
+    stages = res["tasks"]["sst2"]
+    for s in ("teacher", "inter", "pred", "inter_da", "pred_da", "kd", "pkd"):
+        assert stages[s]["steps"] >= 1 and stages[s]["wall_s"] > 0, s
+    inf = res["inference"]["sst2"]
+    assert inf["teacher_ms"] > 0 and inf["student_ms"] > 0
+    # Finished stages are skipped on rerun.
+    stdout = _run(args, tmp_path, timeout=300)
+    assert stdout.count("already done") == 8, stdout
+
+
+def test_inference_smoke(tmp_path):
+    js = tmp_path / "inf.json"
+    stdout = _run([str(REPO / "benchmarks" / "inference.py"), "--smoke", "--repeats", "1",
+                   "--lengths", "16,32", "--json", str(js)], tmp_path, timeout=300)
+    rows = json.loads(js.read_text())
+    assert len(rows) == 4 and all(r["latency_ms"] > 0 and r["throughput"] > 0 for r in rows)
+    assert stdout.count("| student") == 2 and stdout.count("| teacher") == 2
