@@ -1,0 +1,74 @@
+"""Run with N simulated CPU devices (argv[1]): the planner's numbers for a small case vs the real
+jitted train step built with real arrays, as jax_tinybert.train builds it. Prints JSON."""
+import json
+import os
+import sys
+
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_tinybert import plan  # noqa: E402
+from jax_tinybert import sharding as shd  # noqa: E402
+from jax_tinybert import config_base, objectives, optim  # noqa: E402
+from jax_tinybert import step as step_lib  # noqa: E402
+from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,  # noqa: E402
+                                   init_params)
+from jax_tinybert.train import optim_cfg  # noqa: E402
+from jax_tinybert.train_state import TrainState  # noqa: E402
+
+tcfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=64, num_labels=2)
+scfg = BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64, num_labels=2)
+B, T = 16, 32
+out = {}
+for name, spec in (("dp", {"data": -1}), ("fsdp", {"data": 1, "fsdp": -1})):
+    p = plan.plan_one(tcfg, scfg, batch=B, seq_len=T, mesh_spec=spec, fsdp_min_size=1024)
+
+    # The real thing: real params on the mesh, the step as train.py builds it.
+    mesh = shd.make_mesh(spec)
+    base = config_base.base_config()
+    ocfg = {k: v for k, v in base.objective.to_dict().items() if k != "name"}
+    obj = objectives.make_objective("tinybert_intermediate", ocfg, scfg, tcfg)
+    tx, schedule = optim.make_optimizer(optim_cfg(base), 10000)
+    student, teacher = BertForSequenceClassification(scfg), BertModel(tcfg)
+    params = {"student": init_params(student, jax.random.PRNGKey(1)),
+              "proj": obj.init_projection(jax.random.PRNGKey(2))}
+    abstract = jax.eval_shape(lambda q: TrainState.create(q, tx, jax.random.PRNGKey(0)), params)
+    ssh = shd.state_shardings(abstract, mesh, 1024)
+    state = jax.jit(lambda q: TrainState.create(q, tx, jax.random.PRNGKey(3)), out_shardings=ssh)(
+        shd.put_replicated(jax.device_get(params), mesh))
+    tparams = jax.device_get(init_params(teacher, jax.random.PRNGKey(0)))
+    tsh = shd.state_shardings(tparams, mesh, 1024)
+    tp = shd.put_sharded(tparams, tsh)
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": rng.integers(1, 512, (B, T)).astype(np.int32),
+             "attention_mask": np.ones((B, T), np.int32),
+             "token_type_ids": np.zeros((B, T), np.int32), "valid": np.ones(B, np.float32)}
+    gbatch = shd.shard_batch(batch, mesh)
+    loss_fn = step_lib.make_loss_fn(student, teacher, obj)
+    f = step_lib.jit_train_step(step_lib.make_train_step(loss_fn, tx, schedule, mesh=mesh), ssh,
+                                tsh, mesh)
+    compiled = f.lower(state, tp, gbatch).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    mem = compiled.memory_analysis()
+    dev0 = jax.devices()[0]
+
+    def on_dev0(tree):
+        return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
+                   for s in x.addressable_shards if s.device == dev0)
+
+    actual_args = on_dev0(state) + on_dev0(tp) + on_dev0(gbatch)
+    state, m = f(state, tp, gbatch)                     # and it runs
+    stats = dev0.memory_stats()
+    out[name] = {"plan": p, "real_flops": float(cost["flops"]),
+                 "real_argument_bytes": int(mem.argument_size_in_bytes),
+                 "real_temp_bytes": int(mem.temp_size_in_bytes),
+                 "actual_arg_bytes_dev0": int(actual_args), "loss": float(m["loss"]),
+                 "peak_bytes_in_use": (stats or {}).get("peak_bytes_in_use")}
+print("JSON" + json.dumps(out))
