@@ -12,15 +12,19 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "helpers" / "plan_vs_real.py"
 
 
-def _env():
+def _env(cache=None):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(REPO)
+    if cache:
+        # The real step's compile then hits the executable the planner compiled: a cache hit
+        # is itself proof that both built the same program (same HLO fingerprint).
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     return env
 
 
 @pytest.mark.timeout(400)
-def test_plan_matches_real_step():
-    res = subprocess.run([sys.executable, str(HELPER), "2"], env=_env(), cwd=REPO,
+def test_plan_matches_real_step(tmp_path):
+    res = subprocess.run([sys.executable, str(HELPER), "2"], env=_env(tmp_path / "cc"), cwd=REPO,
                          capture_output=True, text=True, timeout=380)
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads(res.stdout.split("JSON", 1)[1])
