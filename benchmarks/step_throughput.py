@@ -330,6 +330,49 @@ def _fmt_table(rows) -> str:
     return "\n".join(lines)
 
 
+def _fmt_cpu_table(rows, peak) -> str:
+    """Load-robust view: process CPU-seconds per step (all threads). On a busy machine wall time
+    stretches, CPU time much less; `est. idle s/step` = CPU-s / nproc assumes the threads would
+    run in parallel with nothing else on the machine (a lower bound on idle wall time)."""
+    n = max(1, os.cpu_count() or 1)
+    mm = peak.get("jax_flop_per_cpu_s")
+    head = ("| teacher | student | stage | T | JAX CPU-s/step | est. idle s/step | est. ex/s "
+            "| GFLOP per CPU-s | % matmul (CPU-time) | PyTorch CPU-s/step | JAX/PyTorch (CPU-time) "
+            "| official s/step | vs official (est.) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        c = r.get("cpu_s_per_step")
+        if not c:
+            continue
+        est = c / n
+        tc = r.get("torch_cpu_s_per_step")
+        off = r.get("official_s_per_step")
+        f = r["gflop_per_step"] / c
+        lines.append("| " + " | ".join([
+            r["teacher"], r["student"], STAGE_SHORT[r["stage"]], str(r["length"]), f"{c:.2f}",
+            f"{est:.3f}", f"{r['batch_size'] / est:.1f}", f"{f:.1f}",
+            f"{100 * f * 1e9 / mm:.0f}%" if mm else "-", f"{tc:.2f}" if tc else "-",
+            f"{tc / c:.2f}x" if tc else "-", f"{off:.2f}" if off else "-",
+            f"{off / est:.2f}x" if off else "-"]) + " |")
+    return "\n".join(lines)
+
+
+def render(paths) -> str:
+    """Markdown tables from one or more --json outputs."""
+    out = []
+    for p in paths:
+        with open(p) as fh:
+            d = json.load(fh)
+        pk = d["matmul_peak"]
+        out.append(f"`{d['command']}` ({d['date']}; matmul peak {pk['jax_flop_s'] / 1e9:.1f} "
+                   f"GFLOP/s wall, {pk.get('jax_flop_per_cpu_s', float('nan')) / 1e9:.1f} GFLOP "
+                   f"per CPU-s; load {pk.get('loadavg_1m', float('nan')):.1f})\n")
+        out.append(_fmt_table(d["results"]) + "\n")
+        if any(r.get("cpu_s_per_step") for r in d["results"]):
+            out.append(_fmt_cpu_table(d["results"], pk) + "\n")
+    return "\n".join(out)
+
+
 def run(args) -> dict:
     if args.smoke:
         args.teachers, args.students, args.lengths = ["minilm"], ["tinybert4"], [16]
@@ -402,6 +445,7 @@ def run(args) -> dict:
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "machine": info, "matmul_peak": peak, "results": rows}
     print("\n" + _fmt_table(rows))
+    print("\n" + _fmt_cpu_table(rows, peak))
     return out
 
 
@@ -436,6 +480,8 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny random models, 2 steps, every stage: a CI check that runs in seconds")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                   help="print the markdown tables of earlier --json outputs and exit")
     args = p.parse_args(argv)
     long = {v: k for k, v in STAGE_SHORT.items()}
     if args.stages == ["all"] or args.smoke:
@@ -460,6 +506,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        print(render(args.render))
+        return
     out = run(args)
     if args.json:
         with open(args.json, "w") as fh:
