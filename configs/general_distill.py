@@ -4,8 +4,11 @@ states on unlabelled text (TinyBERT stage 1; L_embd + sum_m (L_attn + L_hidn)).
     python -m jax_tinybert.main --config=configs/general_distill.py --workdir=runs/general \
         --config.data.corpus=../shared/data/corpus
 
-Variants: "tinybert4" (default: 4 layers, d 312, d_ff 1200, 12 heads), "tinybert6"
-(6/768/3072/12), "small" (3/384/1536/12, same width as the packaged MiniLM teacher). Official
+Variants: "small" (default: 3/384/1536/12, half the packaged 6-layer MiniLM teacher),
+"tinybert4" (4 layers, d 312, d_ff 1200, 12 heads) and "tinybert6" (6/768/3072/12) for a
+12-layer teacher such as `--config.teacher.path=bert-base-uncased` (the uniform layer map needs
+the teacher's layer count to be a multiple of the student's; otherwise pass explicit pairs,
+e.g. --config.objective.layer_map="((0,0),(1,2),(2,3),(3,5),(4,6))"). Official
 recipe: batch 256, lr 1e-4, length 128, 3 epochs; `--config.objective.mode=tinybert` gives the
 official reductions (the maintainers' trace: attention 28.8 -> 7.7, hidden 2.0 -> 1.1).
 """
@@ -15,7 +18,7 @@ SHAPES = {"tinybert4": (4, 312, 1200, 12), "tinybert6": (6, 768, 3072, 12),
           "small": (3, 384, 1536, 12)}
 
 
-def get_config(arg: str = "tinybert4"):
+def get_config(arg: str = "small"):
     c = base_config()
     c.stage = "general_distill"
     c.objective.name = "tinybert_intermediate"
@@ -23,7 +26,7 @@ def get_config(arg: str = "tinybert4"):
     c.data.corpus = ""
     c.data.seq_len = 128
     c.student.init = "random"
-    arg = arg or "tinybert4"
+    arg = arg or "small"
     if arg not in SHAPES:
         raise ValueError(f"configs/general_distill.py: unknown variant {arg!r}; expected one of "
                          f"{sorted(SHAPES)}")
