@@ -190,6 +190,15 @@ def from_spec(spec: LayerSpec, num_student_layers: int, num_teacher_layers: int)
                 f"layer_map was built for {spec.num_student_layers} -> {spec.num_teacher_layers} "
                 f"layers but the models have {M} -> {N}; rebuild it for these models")
         return spec
+    if isinstance(spec, str) and spec.strip()[:1] in "([{":
+        # Explicit pairs given on the command line (a config string field).
+        import ast
+
+        try:
+            spec = ast.literal_eval(spec)
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"layer_map={spec!r} does not parse as (student, teacher) pairs: {e}")
+        return from_spec(spec, M, N)
     if isinstance(spec, str):
         if spec not in _BUILDERS:
             raise ValueError(f"layer_map={spec!r} is not a known map; expected one of {NAMES} or "

@@ -88,3 +88,12 @@ def test_bad_maps_raise():
     with pytest.raises(ValueError, match="num_attention_heads"):
         lm.check_attention_heads(4, 12)
     lm.check_attention_heads(12, 12)
+
+
+def test_explicit_pairs_from_a_command_line_string():
+    # --config.objective.layer_map="((0,0),(1,2),...)" arrives as a string.
+    m = lm.from_spec("((0,0),(1,2),(2,3),(3,5),(4,6))", 4, 6)
+    assert m.hidden == ((0, 0), (1, 2), (2, 3), (3, 5), (4, 6))
+    assert m.attention == ((1, 2), (2, 3), (3, 5), (4, 6))
+    with pytest.raises(ValueError, match="does not parse"):
+        lm.from_spec("((0,0),(1,", 4, 6)
