@@ -320,7 +320,7 @@ def make_table(args, b: dict, general: dict, results: Dict[str, dict],
              f"{jax.devices()[0].platform} ({os.cpu_count()} cores).")
     L.append("")
     L.append("| task (metric) | model | dev | % of teacher | params | ms/batch | speedup | "
-             "stage wall s |")
+             "steps (st) and wall time per stage |")
     L.append("|---|---|---:|---:|---:|---:|---:|---|")
     gw = general.get("wall_s", 0.0)
     for task, res in results.items():
@@ -333,9 +333,9 @@ def make_table(args, b: dict, general: dict, results: Dict[str, dict],
         fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
         pct = lambda x: "n/a" if x is None or not tm else f"{100 * x / tm:.1f}%"
         L.append(f"| {name} | teacher MiniLM-L6 (fine-tuned) | {fmt(tm)} | 100% | "
-                 f"{t['student_params']:,} | {tms:.1f} | 1.0x | finetune {t['wall_s']:.0f} |"
+                 f"{t['student_params']:,} | {tms:.1f} | 1.0x | finetune {t['steps']} st {t['wall_s']:.0f} s |"
                  if tms else f"| {name} | teacher | {fmt(tm)} | 100% | {t['student_params']:,} "
-                 f"| n/a | n/a | finetune {t['wall_s']:.0f} |")
+                 f"| n/a | n/a | finetune {t['steps']} st {t['wall_s']:.0f} s |")
         rows = [("TinyBERT (GD + inter + pred), no DA", ("inter", "pred"), True)]
         if "pred_da" in res:
             label = "TinyBERT with DA" + (" (random-tiny MLM: wiring check)"
@@ -346,8 +346,9 @@ def make_table(args, b: dict, general: dict, results: Dict[str, dict],
         for label, stages, uses_general in rows:
             last = res[stages[-1]]
             m = _metric(last)
-            walls = (["general %.0f (shared)" % gw] if uses_general else []) + [
-                f"{s} {res[s]['wall_s']:.0f}" for s in stages]
+            walls = ([f"general {general.get('steps', 0)} st {gw:.0f} s (shared)"]
+                     if uses_general else []) + [
+                f"{s} {res[s]['steps']} st {res[s]['wall_s']:.0f} s" for s in stages]
             speed = f"{tms / sms:.2f}x" if tms and sms else "n/a"
             L.append(f"| {name} | {label} | {fmt(m)} | {pct(m)} | {last['student_params']:,} | "
                      f"{sms:.1f} | {speed} | {', '.join(walls)} |" if sms else

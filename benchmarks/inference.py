@@ -63,8 +63,8 @@ def build(shape, vocab: int = 30522):
     return cfg, params
 
 
-def time_forward(cfg, params, batch: int, seq_len: int, repeats: int) -> float:
-    """Median seconds of one jitted forward at [batch, seq_len]."""
+def time_forward(cfg, params, batch: int, seq_len: int, repeats: int):
+    """(median, min) seconds of one jitted forward at [batch, seq_len]."""
     model = BertForSequenceClassification(cfg)
     f = jax.jit(lambda p, x, m: model.apply({"params": p}, x, m, attention_logits=False).logits)
     r = np.random.RandomState(0)
@@ -76,7 +76,7 @@ def time_forward(cfg, params, batch: int, seq_len: int, repeats: int) -> float:
         t = time.perf_counter()
         f(params, x, m).block_until_ready()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def main(argv=None) -> str:
@@ -97,10 +97,11 @@ def main(argv=None) -> str:
         cfg, params = build(shape, vocab=1000 if args.smoke else 30522)
         n = count_params(params)
         for L in lengths:
-            lat = time_forward(cfg, params, 1, L, args.repeats)
-            thr = time_forward(cfg, params, B, L, args.repeats)
+            lat, lat_min = time_forward(cfg, params, 1, L, args.repeats)
+            thr, thr_min = time_forward(cfg, params, B, L, args.repeats)
             rows.append(dict(model=name, role=role, params=n, length=L, latency_ms=1000 * lat,
-                             batch_ms=1000 * thr, throughput=B / thr))
+                             batch_ms=1000 * thr, throughput=B / thr,
+                             latency_min_ms=1000 * lat_min, batch_min_ms=1000 * thr_min))
             print(f"{name} L={L}: batch 1 {1000 * lat:.1f} ms, batch {B} {1000 * thr:.1f} ms "
                   f"({B / thr:.0f} ex/s)", file=sys.stderr, flush=True)
         del params
@@ -110,9 +111,11 @@ def main(argv=None) -> str:
              f"after a warm-up call; {jax.devices()[0].platform} ({os.cpu_count()} cores, "
              f"{platform.processor() or platform.machine()}); jax {jax.__version__}. Speedup = "
              "teacher time / model time at the same length and batch (batch-1 latency / "
-             f"batch-{B} throughput).", ""]
+             f"batch-{B} throughput), on medians; the min over the repeats is shown after the "
+             "slash (less sensitive to other processes on a shared machine).", ""]
     tnames = sorted({r["model"] for r in teachers}, key=list(models).index)
-    head = "| model | params | length | batch 1 ms | batch %d ms | ex/s (batch %d) | " % (B, B)
+    head = ("| model | params | length | batch 1 ms (median / min) | batch %d ms (median / min) "
+            "| ex/s (batch %d) | " % (B, B))
     head += " | ".join(f"speedup vs {t.split(' (')[0].replace('teacher ', '')}" for t in tnames)
     lines += [head + " |", "|---|---:|---:|---:|---:|---:|" + "---:|" * len(tnames)]
     for r in rows:
