@@ -43,7 +43,7 @@ def test_glue_small_budget_end_to_end(tmp_path, glue_dir, shared_dir, teacher_di
     assert inf["teacher_ms"] > 0 and inf["student_ms"] > 0
     # Finished stages are skipped on rerun.
     stdout = _run(args, tmp_path, timeout=300)
-    assert stdout.count("already done") == 8, stdout
+    assert stdout.count("] already done in") == 8, stdout
 
 
 def test_inference_smoke(tmp_path):
