@@ -87,13 +87,19 @@ def main(argv=None) -> str:
     ap.add_argument("--smoke", action="store_true", help="tiny random models (CI)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
+    ap.add_argument("--from_json", default=None,
+                    help="render the table from the raw numbers of an earlier run (no timing)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x]
     models = SMOKE if args.smoke else MODELS
     B = args.throughput_batch
 
     rows = []
-    for name, (role, shape) in models.items():
+    if args.from_json:
+        with open(args.from_json) as fh:
+            rows = json.load(fh)
+        models = {r["model"]: None for r in rows}
+    for name, (role, shape) in ({} if args.from_json else models).items():
         cfg, params = build(shape, vocab=1000 if args.smoke else 30522)
         n = count_params(params)
         for L in lengths:
@@ -124,14 +130,15 @@ def main(argv=None) -> str:
             tr = next(x for x in teachers if x["model"] == t and x["length"] == r["length"])
             sp.append(f"{tr['latency_ms'] / r['latency_ms']:.2f}x / "
                       f"{tr['batch_ms'] / r['batch_ms']:.2f}x")
-        lines.append(f"| {r['model']} | {r['params']:,} | {r['length']} | {r['latency_ms']:.2f} | "
-                     f"{r['batch_ms']:.1f} | {r['throughput']:.0f} | " + " | ".join(sp) + " |")
+        lines.append(f"| {r['model']} | {r['params']:,} | {r['length']} | {r['latency_ms']:.2f} / "
+                     f"{r['latency_min_ms']:.2f} | {r['batch_ms']:.1f} / {r['batch_min_ms']:.1f} | "
+                     f"{r['throughput']:.0f} | " + " | ".join(sp) + " |")
     table = "\n".join(lines)
     print(table, flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(table + "\n")
-    if args.json:
+    if args.json and not args.from_json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     return table
