@@ -22,11 +22,15 @@ no MLM head, so offline the "with DA" rows are skipped with a note. `--mlm PATH`
 with cls.predictions.*, e.g. bert-base-uncased when online) runs them; `--mlm random-tiny` uses
 a small random MLM on the teacher's vocabulary: a wiring check only, its augmentations are noise.
 
-    .venv/bin/python benchmarks/glue.py --budget small                 # CI smoke, < 2 min
+    .venv/bin/python benchmarks/glue.py --budget small                 # smoke, ~2 min (3 tasks)
     .venv/bin/python benchmarks/glue.py --budget hour --out glue.md    # ~1 h on 2 CPU cores
     .venv/bin/python benchmarks/glue.py --budget full --mlm bert-base-uncased   # accelerators
 
 Writes a markdown table to stdout and to --out (and results.json in the workdir).
+
+`--budget small` is bounded by fixed per-stage costs (model load, XLA compiles, checkpoint,
+export: ~8 s a stage on 2 idle-ish cores), not by its 3 steps: 16 stages for the three tasks
+took 2 min 11 s here (load ~1.5); with `--tasks sst2` (tests/test_benchmarks_e2e.py) ~1 min.
 """
 from __future__ import annotations
 
