@@ -6,9 +6,7 @@ Variants: any GLUE task name (sst2, mrpc, stsb, cola, qqp, mnli, qnli, rte, wnli
 starts from `teacher.path` (default: the packaged all-MiniLM-L6-v2; e.g. bert-base-uncased when
 online) and the fine-tuned model is exported to <workdir>/export. Data: $GLUE_DIR/<TASK>/*.tsv.
 """
-from jax_tinybert.config_base import base_config
-
-PAIR_TASKS = {"mrpc", "stsb", "sts-b", "qqp", "mnli", "qnli", "rte", "wnli"}
+from jax_tinybert.config_base import base_config, task_lengths
 
 
 def get_config(arg: str = "sst2"):
@@ -18,8 +16,7 @@ def get_config(arg: str = "sst2"):
     c.student.init = "pretrained"
     c.student.path = ""            # = teacher.path
     c.data.task = arg or "sst2"
-    c.data.max_len = 128 if c.data.task.lower() in PAIR_TASKS else 64
-    c.data.buckets = (32, 64, 128) if c.data.max_len == 128 else (32, 64)
+    c.data.max_len, c.data.buckets = task_lengths(c.data.task)
     c.optim.learning_rate = 5e-5 if c.data.task.lower() != "stsb" else 4e-5
     c.train.num_epochs = 3.0
     c.train.batch_size = 32

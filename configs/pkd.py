@@ -8,9 +8,7 @@ Variants: "<task>" (PKD-Skip, default) or "<task>_last" (PKD-Last). Published re
 T 10, beta 500 (for the mean over B*K*D), lr 1e-5, 4 epochs; student = the teacher's first
 `student.teacher_layers` layers (default: the first half of the teacher's layers).
 """
-from jax_tinybert.config_base import base_config
-
-PAIR_TASKS = {"mrpc", "stsb", "sts-b", "qqp", "mnli", "qnli", "rte", "wnli"}
+from jax_tinybert.config_base import base_config, task_lengths
 
 
 def get_config(arg: str = "sst2"):
@@ -19,8 +17,7 @@ def get_config(arg: str = "sst2"):
     c = base_config()
     c.stage = "pkd"
     c.data.task = task
-    c.data.max_len = 128 if task.lower() in PAIR_TASKS else 64
-    c.data.buckets = (32, 64, 128) if c.data.max_len == 128 else (32, 64)
+    c.data.max_len, c.data.buckets = task_lengths(task)
     c.objective.name = "pkd"
     c.objective.temperature = 10.0
     c.objective.alpha = 0.7

@@ -15,9 +15,7 @@ intermediate lr 5e-5 constant, ~10-20 epochs on augmented data (--config.data.tr
 .../train_aug.tsv); pred lr 3e-5, warmup 10% + linear decay, 3 epochs, T = 1.
 `--config.objective.mode=tinybert --config.optim.name=bertadam` reproduces the official code.
 """
-from jax_tinybert.config_base import base_config
-
-PAIR_TASKS = {"mrpc", "stsb", "sts-b", "qqp", "mnli", "qnli", "rte", "wnli"}
+from jax_tinybert.config_base import base_config, task_lengths
 
 
 def get_config(arg: str = "sst2_intermediate"):
@@ -28,8 +26,7 @@ def get_config(arg: str = "sst2_intermediate"):
     c = base_config()
     c.stage = "task_distill"
     c.data.task = task
-    c.data.max_len = 128 if task.lower() in PAIR_TASKS else 64
-    c.data.buckets = (32, 64, 128) if c.data.max_len == 128 else (32, 64)
+    c.data.max_len, c.data.buckets = task_lengths(task)
     c.student.init = "pretrained"
     c.train.batch_size = 32
     if phase == "intermediate":

@@ -64,3 +64,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1, fsdp_min_size=16384))
     c.export = ml_collections.ConfigDict(dict(enabled=True))
     return c
+
+
+def task_lengths(task: str):
+    """The official recipe's max length for a GLUE task and its length buckets:
+    64 (32, 64) for single sentences, 128 (32, 64, 128) for sentence pairs."""
+    from jax_tinybert.data.glue import get_task
+
+    return (128, (32, 64, 128)) if get_task(task).is_pair else (64, (32, 64))
