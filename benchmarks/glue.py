@@ -95,26 +95,18 @@ def _load_config(name: str, arg: str):
     return mod.get_config(arg)
 
 
+# The demo's stage runner (skip finished stages, apply overrides); imported lazily so JAX starts
+# only after this script has set its environment.
 def _set(c, overrides: Dict[str, object]):
-    for key, v in overrides.items():
-        if v is None:
-            continue
-        sec, field = key.split(".", 1)
-        c[sec][field] = v
-    return c
+    from jax_tinybert.pipeline import apply_overrides
+
+    return apply_overrides(c, overrides)
 
 
 def _run(cfg, workdir: str) -> dict:
-    from jax_tinybert import train
+    from jax_tinybert.pipeline import run_stage
 
-    done = os.path.join(workdir, "summary.json")
-    if os.path.exists(done):
-        with open(done) as fh:
-            print(f"[{os.path.basename(workdir)}] already done in {workdir} (delete it to rerun)",
-                  flush=True)
-            return json.load(fh)
-    print(f"\n##### stage {workdir}", flush=True)
-    return train.train_and_evaluate(cfg, workdir)
+    return run_stage(cfg, workdir)
 
 
 # --------------------------------------------------------------------------- augmentation

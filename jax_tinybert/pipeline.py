@@ -20,11 +20,11 @@ from jax_tinybert.hf import load_pretrained
 from jax_tinybert.modeling import BertForSequenceClassification, count_params
 
 
-def _stage(base: ml_collections.ConfigDict, overrides: Dict[str, object]) -> ml_collections.ConfigDict:
-    c = config_base.base_config()
-    for sec in ("data", "train", "mesh", "student", "teacher"):
-        c[sec].update(base[sec].to_dict())
+def apply_overrides(c: ml_collections.ConfigDict, overrides: Dict[str, object]):
+    """Sets {"section.field": value} (and "stage") on c in place; None values are skipped."""
     for key, v in overrides.items():
+        if v is None:
+            continue
         if key == "stage":
             c.stage = v
             continue
@@ -33,13 +33,26 @@ def _stage(base: ml_collections.ConfigDict, overrides: Dict[str, object]) -> ml_
     return c
 
 
-def _run(cfg, workdir: str) -> dict:
+def _stage(base: ml_collections.ConfigDict, overrides: Dict[str, object]) -> ml_collections.ConfigDict:
+    c = config_base.base_config()
+    for sec in ("data", "train", "mesh", "student", "teacher"):
+        c[sec].update(base[sec].to_dict())
+    return apply_overrides(c, overrides)
+
+
+def run_stage(cfg, workdir: str) -> dict:
+    """train_and_evaluate, skipped when workdir already holds a finished run (summary.json)."""
     done = os.path.join(workdir, "summary.json")
     if os.path.exists(done):
         with open(done) as fh:
-            print(f"[{cfg.stage}] already done in {workdir} (delete it to rerun)", flush=True)
+            print(f"[{os.path.basename(workdir)}] already done in {workdir} (delete it to rerun)",
+                  flush=True)
             return json.load(fh)
+    print(f"\n##### stage {workdir}", flush=True)
     return train.train_and_evaluate(cfg, workdir)
+
+
+
 
 
 def inference_ms(model_dir: str, batch: int = 32, seq_len: int = 64, repeats: int = 10) -> float:
@@ -70,24 +83,24 @@ def run_demo(config: ml_collections.ConfigDict, workdir: str) -> dict:
         corpus = synthetic.write_corpus(os.path.join(workdir, "corpus", "synthetic.txt"))
     d = lambda name: os.path.join(workdir, name)
     t0 = time.time()
-    teacher = _run(_stage(config, {
+    teacher = run_stage(_stage(config, {
         "stage": "finetune_teacher", "objective.name": "finetune", "student.init": "pretrained",
         "student.path": config.teacher.path, "teacher.path": config.teacher.path,
         "teacher.cache": False, "optim.learning_rate": lr["teacher"],
         "train.num_steps": steps["teacher"], "train.eval_every": steps["teacher"] // 2}),
         d("teacher"))
-    general = _run(_stage(config, {
+    general = run_stage(_stage(config, {
         "stage": "general_distill", "objective.name": "tinybert_intermediate",
         "teacher.path": config.teacher.path, "data.kind": corpus_kind, "data.corpus": corpus,
         "data.seq_len": config.data.max_len, "optim.learning_rate": lr["general"],
         "train.num_steps": steps["general"]}), d("general"))
-    inter = _run(_stage(config, {
+    inter = run_stage(_stage(config, {
         "stage": "task_distill", "objective.name": "tinybert_intermediate",
         "teacher.path": d("teacher/export"), "student.init": "pretrained",
         "student.path": d("general/export"), "optim.learning_rate": lr["intermediate"],
         "optim.schedule": "constant", "optim.warmup_ratio": 0.0,
         "train.num_steps": steps["intermediate"]}), d("intermediate"))
-    pred = _run(_stage(config, {
+    pred = run_stage(_stage(config, {
         "stage": "task_distill", "objective.name": "tinybert_pred",
         "teacher.path": d("teacher/export"), "student.init": "pretrained",
         "student.path": d("intermediate/export"), "optim.learning_rate": lr["pred"],
