@@ -130,7 +130,9 @@ class Checkpointer:
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
         if save_interval_steps < 1 or stop_check_every < 1:
             raise ValueError("save_interval_steps and stop_check_every must be >= 1")
-        self.workdir = epath.Path(workdir)
+        # orbax refuses relative paths; users type relative ones (--workdir=runs/x).
+        workdir = os.fspath(workdir)
+        self.workdir = epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
         self.save_interval_steps = int(save_interval_steps)
         self.keep_best = keep_best
         self.best_metric = best_metric or "metric"

@@ -215,7 +215,7 @@ def _abstract_from_checkpoint(step_dir: str):
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        meta = ocp.StandardCheckpointer().metadata(os.path.join(step_dir, "state"))
+        meta = ocp.StandardCheckpointer().metadata(os.path.abspath(os.path.join(step_dir, "state")))
     finally:
         absl.setLevel(level)
     tree = getattr(meta, "item_metadata", meta)
