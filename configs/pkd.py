@@ -5,10 +5,20 @@ k layers and learns (1 - alpha) CE + alpha KD(T) + beta * patience on the [CLS] 
         --config.teacher.path=runs/sst2/teacher/export
 
 Variants: "<task>" (PKD-Skip, default) or "<task>_last" (PKD-Last). Published recipe: alpha 0.7,
-T 10, beta 500 (for the mean over B*K*D), lr 1e-5, 4 epochs; student = the teacher's first
-`student.teacher_layers` layers (default: the first half of the teacher's layers).
+T 10, beta 500 (for the official mean over B*K*D), lr 1e-5, 4 epochs; student = the teacher's
+first `student.teacher_layers` layers (default: the first half of the teacher's layers).
+
+beta: the clean (masked) patience loss is the paper's sum over the K mapped layers and D units,
+the official code's (mode=tinybert) a mean over them, so the published 500 becomes
+500 / (K * D) here: K = 2 patience layers (student layers 1..2 of 3), D = 384 (MiniLM-L6), i.e.
+0.651. With another teacher pass --config.objective.beta=500/(K*D) for its K and D; with
+--config.objective.mode=tinybert pass --config.objective.beta=500.
 """
 from jax_tinybert.config_base import base_config, task_lengths
+
+PKD_BETA_TINYBERT = 500.0   # the published beta, for the official mean over B*K*D
+PATIENCE_LAYERS = 2         # pkd_skip with a 3-layer student: student layers 1, 2
+TEACHER_WIDTH = 384         # the packaged all-MiniLM-L6-v2
 
 
 def get_config(arg: str = "sst2"):
@@ -21,7 +31,7 @@ def get_config(arg: str = "sst2"):
     c.objective.name = "pkd"
     c.objective.temperature = 10.0
     c.objective.alpha = 0.7
-    c.objective.beta = 500.0
+    c.objective.beta = PKD_BETA_TINYBERT / (PATIENCE_LAYERS * TEACHER_WIDTH)
     c.objective.t2 = True
     c.objective.layer_map = layer_map
     c.objective.projection = "none"

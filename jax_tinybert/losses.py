@@ -303,12 +303,14 @@ def round_f16(x: Array) -> Array:
 
 def patience_loss(s_cls: Array, t_cls: Array, normalize: bool = True, mode: str = "masked",
                   valid: Optional[Array] = None) -> Array:
-    """PKD patience loss on [CLS] vectors: mean over B * K * D of (s - t)^2.
+    """PKD patience loss on [CLS] vectors (Sun et al. 2019, eq. 4).
 
     s_cls, t_cls: [B, K, D] (K mapped layers; project the student first if widths differ).
     normalize: L2-normalise each [CLS] vector first (PKD default). valid [B] or None.
-    masked: the clean float32 value. tinybert: additionally rounded to float16 (as the
-    official `.half()`); the objective rounds beta * that again. Returns a scalar.
+    masked: the paper's formula, sum over the K layers and D units of (s - t)^2, mean over
+    examples. tinybert: the official code's mean over B * K * D (= masked / (K * D)), rounded
+    to float16 as its `.half()`; the objective rounds beta * that again. A beta tuned for one
+    mode carries to the other as beta_masked = beta_tinybert / (K * D). Returns a scalar.
     """
     check_mode(mode)
     s, t = _f(s_cls), _f(t_cls)
@@ -320,11 +322,12 @@ def patience_loss(s_cls: Array, t_cls: Array, normalize: bool = True, mode: str 
         raise ValueError(f"patience_loss: expected [B, K, D] [CLS] vectors, got {s.shape}")
     if normalize:
         s, t = _l2_normalize(s), _l2_normalize(t)
-    if valid is None:
-        loss = jnp.mean(jnp.square(s - t))
-    else:
-        loss = _example_mean(jnp.mean(jnp.square(s - t), axis=(1, 2)), valid)
-    return round_f16(loss) if mode == "tinybert" else loss
+    sq = jnp.square(s - t)
+    if mode == "masked":
+        return _example_mean(jnp.sum(sq, axis=(1, 2)), valid)
+    # One flat mean as the official code takes it (the float16 rounding below is exact-sensitive).
+    loss = jnp.mean(sq) if valid is None else _example_mean(jnp.mean(sq, axis=(1, 2)), valid)
+    return round_f16(loss)
 
 
 __all__ = [

@@ -32,7 +32,8 @@ CFG_KEYS = {
     "mode": "'masked' (padding never counts) or 'tinybert' (official reductions)",
     "temperature": "softmax temperature of the soft-label terms",
     "alpha": "pkd/kd: weight of the KD term; the hard-label term gets 1 - alpha",
-    "beta": "pkd: weight of the patience term",
+    "beta": "pkd: weight of the patience term (masked mode sums over K layers x D units, "
+            "tinybert mode averages: beta_masked = beta_tinybert / (K * D))",
     "t2": "multiply soft-label terms by temperature^2",
     "layer_map": f"one of {lm.NAMES} or explicit (student, teacher) pairs",
     "projection": "'shared' (one fit_dense, as official), 'per_layer' or 'none'",
@@ -53,13 +54,15 @@ _COMMON = {"mode": "masked", "temperature": 1.0, "alpha": 0.5, "beta": 0.0, "t2"
 DEFAULTS = {
     "tinybert_intermediate": dict(_COMMON),
     "tinybert_pred": dict(_COMMON),
-    # PKD's published recipe: T 10, alpha 0.7, beta 500 (scaled for the mean over B*K*D).
-    "pkd": dict(_COMMON, temperature=10.0, alpha=0.7, beta=500.0, t2=True,
+    # PKD's published recipe: T 10, alpha 0.7, beta 500 for the official mean over B*K*D;
+    # beta=None resolves to that, rescaled to the mode (see Objective._setup_pkd).
+    "pkd": dict(_COMMON, temperature=10.0, alpha=0.7, beta=None, t2=True,
                 layer_map="pkd_skip", projection="none"),
     "kd": dict(_COMMON, temperature=2.0, alpha=0.5, t2=True),
     "finetune": dict(_COMMON),
 }
 PROJECTIONS = ("shared", "per_layer", "none")
+PKD_PUBLISHED_BETA = 500.0  # Sun et al. 2019, for the official mean over B*K*D
 
 
 def _as_dict(cfg: Any) -> dict:
@@ -91,7 +94,8 @@ def _resolve_cfg(name: str, cfg: Any) -> dict:
         raise ValueError(f"objective '{name}': cfg regression_target must be 'teacher' or 'gold', "
                          f"got {out['regression_target']!r}")
     for k in ("temperature", "alpha", "beta", "w_embd", "w_attn", "w_hidn", "w_pred"):
-        out[k] = float(out[k])
+        if out[k] is not None:  # only pkd's beta defaults to None (resolved per mode and shape)
+            out[k] = float(out[k])
     out["t2"] = bool(out["t2"])
     out["normalize_patience"] = bool(out["normalize_patience"])
     return out
@@ -187,6 +191,12 @@ class Objective:
 
     def _setup_pkd(self) -> None:
         self.layer_map = self._map()
+        if self.cfg["beta"] is None:
+            # The published beta is for the official mean over B*K*D; the masked (formula) loss
+            # sums over K*D, so the same training signal needs beta / (K*D) there.
+            width = (self.teacher_config or self.student_config).hidden_size
+            kd_units = max(1, len(self.layer_map.hidden)) * width
+            self.cfg["beta"] = PKD_PUBLISHED_BETA / (1.0 if self.mode == "tinybert" else kd_units)
         self._hidden_pairs = self.layer_map.hidden if self.cfg["beta"] != 0.0 else ()
         self.teacher_cls_layers = tuple(t for _, t in self._hidden_pairs)
         self._setup_projection([s for s, _ in self._hidden_pairs])

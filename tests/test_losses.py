@@ -79,12 +79,19 @@ def np_kl(s, t, temp, mode, t2=True, valid=None):
     return out * temp ** 2 if t2 else out
 
 
-def np_patience(s, t, normalize, valid=None):
+def np_patience(s, t, normalize, valid=None, official_mean=False):
+    """PKD eq. 4: sum over layers k and units d of (s/|s| - t/|t|)^2, mean over examples; the
+    official code averages over k and d instead (official_mean)."""
     s, t = s.astype(np.float64), t.astype(np.float64)
     if normalize:
         s = s / np.maximum(np.linalg.norm(s, axis=-1, keepdims=True), 1e-12)
         t = t / np.maximum(np.linalg.norm(t, axis=-1, keepdims=True), 1e-12)
-    per_ex = ((s - t) ** 2).mean(axis=(1, 2))
+    per_ex = np.zeros(s.shape[0])
+    for b in range(s.shape[0]):
+        for k in range(s.shape[1]):
+            per_ex[b] += sum((s[b, k, d] - t[b, k, d]) ** 2 for d in range(s.shape[2]))
+    if official_mean:
+        per_ex /= s.shape[1] * s.shape[2]
     w = np.ones(len(per_ex)) if valid is None else valid.astype(np.float64)
     return (w * per_ex).sum() / w.sum()
 
@@ -283,8 +290,13 @@ def test_patience_loss(rng, normalize):
     close(L.patience_loss(s, t, normalize=normalize), ref, rtol=1e-5)
     close(L.patience_loss(s, t, normalize=normalize, valid=VALID),
           np_patience(s, t, normalize, VALID), rtol=1e-5)
+    official = np_patience(s, t, normalize, official_mean=True)
+    np.testing.assert_allclose(ref / official, 2 * D)  # masked = official mean x K*D
     tiny = float(L.patience_loss(s, t, normalize=normalize, mode="tinybert"))
-    assert tiny == float(np.float16(np.float32(ref)))  # the official .half()
+    assert tiny == float(np.float16(np.float32(official)))  # the official .half()
+    if normalize:  # unit vectors: each layer's squared distance is in [0, 4]
+        per_ex = np.asarray([np_patience(s[i:i + 1], t[i:i + 1], True) for i in range(B)])
+        assert ((per_ex >= 0) & (per_ex <= 4 * 2)).all()
     with pytest.raises(ValueError, match="project"):
         L.patience_loss(s, t[..., :3])
 

@@ -266,8 +266,9 @@ def test_pkd_composition_and_cache(mode):
         np.testing.assert_allclose(float(terms["pt"]), float(pt16), rtol=1e-3)
         expect = 0.6 * kd + 0.4 * ce + float(np.float16(50.0 * np.float32(terms["pt"])))
     else:
-        np.testing.assert_allclose(float(terms["pt"]), pt, rtol=1e-5)
-        expect = 0.6 * kd + 0.4 * ce + 50.0 * pt
+        pt_sum = pt * 2 * 12  # masked: the formula's sum over the K=2 layers and D=12 units
+        np.testing.assert_allclose(float(terms["pt"]), pt_sum, rtol=1e-5)
+        expect = 0.6 * kd + 0.4 * ce + 50.0 * pt_sum
     np.testing.assert_allclose(float(loss), expect, rtol=1e-5)
     # The teacher cache path gives the same value.
     feats = obj.teacher_features(to)
@@ -277,6 +278,14 @@ def test_pkd_composition_and_cache(mode):
                                rtol=1e-6)
     with pytest.raises(ValueError, match="teacher_cls"):
         obj(proj, so, None, dict(batch, teacher_logits=feats["teacher_logits"]))
+
+
+@pytest.mark.parametrize("mode", ["masked", "tinybert"])
+def test_pkd_default_beta_is_the_published_one_per_mode(mode):
+    # beta 500 was tuned for the official mean over B*K*D; the masked sum needs 500 / (K*D).
+    obj = O.make_objective("pkd", {"mode": mode, "projection": "shared"}, cfg(3, 8), cfg(6, 12))
+    assert obj.cfg["beta"] == (500.0 if mode == "tinybert" else 500.0 / (2 * 12))
+    assert O.make_objective("pkd", {"beta": 3.0}, cfg(3, 12), cfg(6, 12)).cfg["beta"] == 3.0
 
 
 def test_pkd_beta_zero_needs_no_cls(outs):
