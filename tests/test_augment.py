@@ -2,6 +2,7 @@
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from jax_tinybert.data import augment, glue, tokenize
@@ -128,3 +129,56 @@ def test_augment_tsv_and_cli(tok, mlm, glue_dir, tmp_path, monkeypatch):
                    "--tokenizer", tok.name_or_path, "--out", str(cli_out), "--N", "2",
                    "--seed", "1"])
     assert len(glue.load_examples("mrpc", "train", path=str(cli_out / "train_aug.tsv"))) > 8
+
+
+def test_embedding_mode_needs_no_mlm_and_matches_numpy_cosine(tok):
+    # Random [V, 8] table: the neighbours must be the cosine top-K of the mean piece vector,
+    # over whole-word vocab entries only (no specials, no ## pieces), excluding the word itself.
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(tok.vocab_size, 8)).astype(np.float32)
+    aug = augment.Augmenter(tok, mode="embedding", word_embeddings=emb, K=5, N=3)
+    assert not hasattr(aug, "_top")  # no masked LM anywhere
+    sent = "the film was splendidly made by Jones"
+    cands = aug.candidates([sent])[0]
+    words = sent.split()
+    assert sorted(cands) == [1, 3, 4, 6]  # "the", "was", "by" are stop-words
+    vocab = tok.get_vocab()
+    inv = {i: t for t, i in vocab.items()}
+    ok = [i for i in range(tok.vocab_size) if inv[i].isalpha() and not inv[i].startswith("##")
+          and i not in set(tok.all_special_ids)]
+    unit = emb[ok] / np.linalg.norm(emb[ok], axis=1, keepdims=True)
+    for wi, got in cands.items():
+        w = words[wi]
+        q = emb[tok(w, add_special_tokens=False)["input_ids"]].mean(0)
+        order = np.argsort(-(unit @ (q / np.linalg.norm(q))), kind="stable")
+        ref = [inv[ok[j]] for j in order if inv[ok[j]].lower() != w.lower()][:5]
+        assert [x.lower() for x in got] == ref, (w, got, ref)
+    assert cands[6][0][0].isupper()  # case of "Jones" carried over
+    out = aug.augment_sentences([sent], [(0, 0)])[0]
+    assert 0 < len(out) <= 3 and all(len(o.split()) == len(words) for o in out)
+    with pytest.raises(ValueError, match="mlm_model"):
+        augment.Augmenter(tok, mode="mlm", word_embeddings=emb)
+    with pytest.raises(ValueError, match="word_embeddings"):
+        augment.Augmenter(tok, mode="embedding")
+    with pytest.raises(ValueError, match="do not belong together"):
+        augment.Augmenter(tok, mode="embedding", word_embeddings=emb[:100])
+
+
+def test_cli_embedding_mode(tok, glue_dir, tmp_path, monkeypatch):
+    d = tmp_path / "glue" / "SST-2"
+    d.mkdir(parents=True)
+    lines = (glue_dir / "SST-2" / "train.tsv").read_text(encoding="utf-8-sig").splitlines()[:7]
+    (d / "train.tsv").write_text("\n".join(lines) + "\n")
+    import jax_tinybert.hf as hf
+    emb = np.random.default_rng(1).normal(size=(tok.vocab_size, 8)).astype(np.float32)
+    monkeypatch.setattr(hf, "load_pretrained", lambda path, for_classification: (
+        None, {"embeddings": {"word_embeddings": {"embedding": emb}}}))
+    with pytest.raises(SystemExit):  # mode mlm without --mlm: a usage error, nothing written
+        augment._main(["--task", "sst2", "--glue_dir", str(tmp_path / "glue"),
+                       "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
+    augment._main(["--task", "sst2", "--glue_dir", str(tmp_path / "glue"), "--mode", "embedding",
+                   "--encoder", "unused", "--tokenizer", tok.name_or_path,
+                   "--out", str(tmp_path / "cli"), "--N", "2"])
+    ex = glue.load_examples("sst2", "train", path=str(tmp_path / "cli" / "train_aug.tsv"))
+    assert 6 < len(ex) <= 6 * 3

@@ -1,12 +1,21 @@
 """TinyBERT data augmentation (Jiao et al. 2020, Alg. 1), batched.
 
-For each whitespace word of a sentence that is alphabetic and not a stop-word:
+Two candidate sources (`mode`):
+
+"mlm" (the paper). For each whitespace word of a sentence that is alphabetic and not a stop-word:
   * a word that is one WordPiece gets candidates from a masked LM: the sentence with that word
     replaced by [MASK], top-K whole-word predictions (all masked copies of many sentences go
     through the model together, in fixed-shape batches, one forward per batch);
   * a word of several pieces gets its K nearest neighbours (cosine) in an embedding table: a
     GloVe text file when given, else the MLM's input word embeddings (the word's vector being the
     mean of its pieces' vectors; neighbours are whole-word vocab entries).
+
+"embedding" (no masked LM at all): every eligible word gets its K nearest neighbours (cosine) in
+the word-embedding table of any BERT encoder (e.g. the teacher), its vector being the mean of its
+pieces' vectors. Candidates are whole-word vocab entries only: no special tokens, no "##" subword
+pieces, no non-alphabetic entries. Context-free, so neighbours can be antonyms or other
+inflections ("good" -> "bad", "goodness"), as with the paper's GloVe path for multi-piece words.
+
 Then N times: each candidate word is replaced, with probability p, by a uniformly drawn
 candidate. Candidates never include the word itself, so "replaced" means "changed".
 As in the official script, duplicate outputs are dropped (`dedupe`), so an example yields at
@@ -15,6 +24,8 @@ side kept. Randomness is drawn per (seed, row, column), so results do not depend
 
 CLI: python -m jax_tinybert.data.augment --task SST-2 --glue_dir GLUE --mlm bert-base-uncased \
        --out OUT_DIR [--glove_path glove.6B.300d.txt] [--N 20 --K 15 --p 0.4 --seed 42]
+     python -m jax_tinybert.data.augment --task SST-2 --glue_dir GLUE --mode embedding \
+       --encoder TEACHER_FOLDER --out OUT_DIR
 """
 from __future__ import annotations
 
@@ -23,6 +34,7 @@ import csv
 import logging
 import os
 import tempfile
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -105,14 +117,41 @@ class EmbeddingTable:
         return out
 
 
-class Augmenter:
-    """TinyBERT augmentation with a Flax `BertForMaskedLM` (`params` = {"bert", "cls"})."""
+MODES = ("mlm", "embedding")
 
-    def __init__(self, tokenizer, mlm_model, mlm_params, *, glove: Optional[EmbeddingTable] = None,
+
+class Augmenter:
+    """TinyBERT augmentation.
+
+    mode="mlm": a Flax `BertForMaskedLM` (`mlm_params` = {"bert", "cls"}) proposes one-piece
+    words. mode="embedding": no MLM; `word_embeddings` [V, D] (any BERT's input word embeddings,
+    default: those of `mlm_params`) give cosine neighbours for every word.
+    """
+
+    def __init__(self, tokenizer, mlm_model=None, mlm_params=None, *, mode: str = "mlm",
+                 word_embeddings: Optional[np.ndarray] = None,
+                 glove: Optional[EmbeddingTable] = None,
                  N: int = 20, K: int = 15, p: float = 0.4, seed: int = 42, max_seq_len: int = 128,
                  batch_size: int = 64, buckets: Sequence[int] = (32, 64, 128), dedupe: bool = True):
         import jax
 
+        if mode not in MODES:
+            raise ValueError(f"Augmenter: mode={mode!r}; expected one of {MODES}")
+        if mode == "mlm" and (mlm_model is None or mlm_params is None):
+            raise ValueError("Augmenter: mode='mlm' needs mlm_model and mlm_params (a BERT with a "
+                             "masked-LM head, e.g. one fitted by configs/mlm_head.py); "
+                             "mode='embedding' needs only word_embeddings")
+        if word_embeddings is None:
+            if mlm_params is None:
+                raise ValueError("Augmenter: mode='embedding' needs word_embeddings [V, D] (e.g. "
+                                 "params['embeddings']['word_embeddings']['embedding'] of the "
+                                 "teacher)")
+            word_embeddings = mlm_params["bert"]["embeddings"]["word_embeddings"]["embedding"]
+        self.mode = mode
+        self.word_embeddings = np.asarray(word_embeddings, np.float32)
+        if self.word_embeddings.ndim != 2:
+            raise ValueError(f"Augmenter: word_embeddings must be [V, D], got "
+                             f"{self.word_embeddings.shape}")
         self.tok = tokenizer
         self.N, self.K, self.p, self.seed = int(N), int(K), float(p), int(seed)
         self.max_seq_len = int(max_seq_len)
@@ -130,6 +169,16 @@ class Augmenter:
             ok[i] = i not in special and t.isalpha() and not t.startswith("##")
         self.whole_word = ok
         self.mask_id = tokenizer.mask_token_id
+        self._emb_table = None
+        if len(ok) > self.word_embeddings.shape[0]:
+            raise ValueError(f"Augmenter: the tokenizer has ids up to {len(ok) - 1} but the word "
+                             f"embeddings only {self.word_embeddings.shape[0]} rows: tokenizer and "
+                             "model do not belong together")
+        if mode == "mlm":
+            self._build_mlm(mlm_model)
+
+    def _build_mlm(self, mlm_model) -> None:
+        import jax
 
         from jax_tinybert.modeling import BertModel, _MLMHead
 
@@ -149,12 +198,11 @@ class Augmenter:
             logits = jax.numpy.where(allowed, logits, -jax.numpy.inf)
             return jax.lax.top_k(logits, k)[1]
 
-        v = c.vocab_size
+        v, ok = c.vocab_size, self.whole_word
         ok_dev = np.zeros(v, bool)
         ok_dev[:min(v, len(ok))] = ok[:v]
         self._ok_dev = jax.numpy.asarray(ok_dev)
         self._top = jax.jit(top)
-        self._emb_table = None
 
     # -- candidates -------------------------------------------------------------------------
     def _word_pieces(self, words: Sequence[str]) -> Dict[str, List[int]]:
@@ -203,7 +251,7 @@ class Augmenter:
         if self.glove is not None:
             return self.glove
         if self._emb_table is None:
-            emb = np.asarray(self.params["bert"]["embeddings"]["word_embeddings"]["embedding"])
+            emb = self.word_embeddings
             ids = np.flatnonzero(self.whole_word[:emb.shape[0]])
             self._emb_table = EmbeddingTable([self.id2tok[int(i)] for i in ids], emb[ids])
         return self._emb_table
@@ -217,7 +265,7 @@ class Augmenter:
             q = np.stack([table.vectors[table.index.get(w.lower(), table.index.get(w))]
                           for w in uniq]) if uniq else np.zeros((0, 1))
         else:
-            emb = np.asarray(self.params["bert"]["embeddings"]["word_embeddings"]["embedding"])
+            emb = self.word_embeddings
             q = np.stack([emb[pieces[w]].mean(0) for w in uniq]) if uniq else np.zeros((0, 1))
         nn = table.neighbours(q, self.K + 16, [[w] for w in uniq]) if uniq else []
         return {w: self._filter(c, w) for w, c in zip(uniq, nn)}
@@ -240,7 +288,7 @@ class Augmenter:
             for wi, w in enumerate(ws):
                 if not is_candidate_word(w) or not pieces[w]:
                     continue
-                if len(pieces[w]) == 1:
+                if len(pieces[w]) == 1 and self.mode == "mlm":
                     requests.append(([pieces[x] for x in ws], wi, w))
                     where.append((si, wi))
                 else:
@@ -335,12 +383,20 @@ def _main(argv=None):
     ap = argparse.ArgumentParser(description="TinyBERT data augmentation -> <out>/train_aug.tsv")
     ap.add_argument("--task", required=True)
     ap.add_argument("--glue_dir", required=True, help="GLUE folder (<glue_dir>/<Task>/train.tsv)")
-    ap.add_argument("--mlm", required=True,
-                    help="HF BERT masked-LM folder or hub name (e.g. bert-base-uncased)")
+    ap.add_argument("--mode", choices=MODES, default="mlm",
+                    help="mlm: masked-LM candidates (the paper); embedding: word-embedding "
+                    "neighbours of --encoder, no MLM needed")
+    ap.add_argument("--mlm", default=None,
+                    help="mode mlm: HF BERT masked-LM folder or hub name (e.g. bert-base-uncased, "
+                    "or the export of configs/mlm_head.py)")
+    ap.add_argument("--encoder", default=None,
+                    help="mode embedding: any HF BERT folder (e.g. the teacher); default --mlm")
     ap.add_argument("--out", required=True, help="output folder (default: the task folder)")
+    ap.add_argument("--train_file", default=None,
+                    help="augment this TSV instead of <glue_dir>/<Task>/train.tsv")
     ap.add_argument("--glove_path", default=None, help="GloVe .txt; default: MLM embeddings")
     ap.add_argument("--glove_max_words", type=int, default=None)
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --mlm)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --mlm/--encoder)")
     ap.add_argument("--N", type=int, default=20)
     ap.add_argument("--K", type=int, default=15)
     ap.add_argument("--p", type=float, default=0.4)
@@ -349,22 +405,39 @@ def _main(argv=None):
     ap.add_argument("--batch_size", type=int, default=64)
     ap.add_argument("--no_dedupe", action="store_true")
     args = ap.parse_args(argv)
+    if args.mode == "mlm" and not args.mlm:
+        ap.error("--mode mlm needs --mlm (a BERT with a masked-LM head); without one use "
+                 "--mode embedding --encoder TEACHER_FOLDER, or fit a head with configs/mlm_head.py")
+    if args.mode == "embedding" and not (args.encoder or args.mlm):
+        ap.error("--mode embedding needs --encoder (any HF BERT folder, e.g. the teacher)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
+    from jax_tinybert import hf
     from jax_tinybert.data.tokenize import load_tokenizer
-    from jax_tinybert.hf import load_pretrained
     from jax_tinybert.modeling import BertForMaskedLM
 
     spec = glue.get_task(args.task)
-    tok = load_tokenizer(args.tokenizer or args.mlm)
-    config, params = load_pretrained(args.mlm, mlm_head=True)
     glove = EmbeddingTable.from_glove(args.glove_path, args.glove_max_words) if args.glove_path else None
-    aug = Augmenter(tok, BertForMaskedLM(config), params, glove=glove, N=args.N, K=args.K, p=args.p,
-                    seed=args.seed, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
-                    dedupe=not args.no_dedupe)
+    common = dict(glove=glove, N=args.N, K=args.K, p=args.p, seed=args.seed,
+                  max_seq_len=args.max_seq_len, batch_size=args.batch_size,
+                  dedupe=not args.no_dedupe)
+    if args.mode == "mlm":
+        tok = load_tokenizer(args.tokenizer or args.mlm)
+        config, params = hf.load_pretrained(args.mlm, mlm_head=True)
+        aug = Augmenter(tok, BertForMaskedLM(config), params, **common)
+    else:
+        model = args.encoder or args.mlm
+        tok = load_tokenizer(args.tokenizer or model)
+        _, params = hf.load_pretrained(model, for_classification=False)
+        emb = hf.bert_params(params)["embeddings"]["word_embeddings"]["embedding"]
+        aug = Augmenter(tok, mode="embedding", word_embeddings=emb, **common)
+    src = args.train_file or glue.tsv_path(args.glue_dir, spec, "train")
     out = os.path.join(args.out, "train_aug.tsv")
-    stats = aug.augment_tsv(spec, glue.tsv_path(args.glue_dir, spec, "train"), out)
-    log.info("wrote %s: %d rows from %d", out, stats["rows_out"], stats["rows_in"])
+    t0 = time.time()
+    stats = aug.augment_tsv(spec, src, out)
+    dt = time.time() - t0
+    log.info("wrote %s: %d rows from %d in %.1f s (%.1f input rows/s)", out, stats["rows_out"],
+             stats["rows_in"], dt, stats["rows_in"] / max(dt, 1e-9))
 
 
 if __name__ == "__main__":
