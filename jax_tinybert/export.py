@@ -18,14 +18,13 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
 
-from jax_tinybert import hf
+from jax_tinybert import fsutil, hf
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
 
 log = logging.getLogger(__name__)
@@ -142,7 +141,8 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
     os.makedirs(parent, exist_ok=True)
     # Beside out_dir (same filesystem, so the final rename is atomic) and hidden, so a crashed
     # export never looks like a model folder.
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    fsutil.clean_stale_temps(out_dir)
+    tmp = fsutil.mkdtemp(out_dir)
     try:
         _write_config(os.path.join(tmp, CONFIG_FILE), cfg)
         _write_flax(os.path.join(tmp, FLAX_FILE), tree)

