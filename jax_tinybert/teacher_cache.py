@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jax_tinybert import fsutil
+from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class TeacherCache:
 
     def __init__(self, path: str, verify: bool = True):
         self.path = path
+        self.build_stats: Optional[Dict[str, float]] = None   # set by `build`: rate, seconds
         meta_path = os.path.join(path, META)
         try:
             with open(meta_path) as fh:
@@ -224,6 +226,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     params = jax.device_put(params)
     fsutil.clean_stale_temps(path)
     tmp = fsutil.mkdtemp(path)
+    prog = Progress("teacher cache", total=num_examples, unit="ex")
     try:
         files: Dict[str, np.ndarray] = {}
         filled = np.zeros((num_examples,), bool)
@@ -246,6 +249,8 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                         shape=(num_examples,) + v.shape[1:])
                 files[k][ids[keep]] = v[keep]
             filled[ids[keep]] = True
+            prog.update(int(keep.sum()))
+        prog.close()
         if not files:
             raise ValueError(f"teacher cache {path}: the batches held no valid rows")
         n_missing = int(num_examples - filled.sum())
@@ -268,9 +273,12 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
             json.dump(meta, fh, indent=1, sort_keys=True)
         _swap_into_place(tmp, path)
     except BaseException:
+        prog.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return TeacherCache(path, verify=False)
+    cache = TeacherCache(path, verify=False)
+    cache.build_stats = {"examples_per_s": prog.rate, "seconds": prog.elapsed}
+    return cache
 
 
 def _file_info(p: str) -> dict:

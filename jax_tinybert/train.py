@@ -29,6 +29,7 @@ from jax_tinybert.hf import bert_params, load_pretrained
 from jax_tinybert.metrics_writer import MetricsWriter
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
                                    count_params, init_params)
+from jax_tinybert.progress import Progress
 from jax_tinybert.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -196,12 +197,14 @@ def evaluate(eval_fn, params, data: Data, mesh) -> Dict[str, float]:
 
     data.eval.reset()
     preds, ids = [], []
-    for batch in data.eval:
-        keep = {k: batch[k] for k in step_lib.MODEL_KEYS}
-        logits = np.asarray(jax.device_get(eval_fn(params, shd.shard_batch(keep, mesh))))
-        # Every process gets the global logits; keep the rows of all processes in order.
-        ids.append(_allgather_host(batch["example_id"]))
-        preds.append(logits)
+    with Progress("eval", total=len(data.eval_labels), unit="ex") as prog:
+        for batch in data.eval:
+            keep = {k: batch[k] for k in step_lib.MODEL_KEYS}
+            logits = np.asarray(jax.device_get(eval_fn(params, shd.shard_batch(keep, mesh))))
+            # Every process gets the global logits; keep the rows of all processes in order.
+            ids.append(_allgather_host(batch["example_id"]))
+            preds.append(logits)
+            prog.update(int((ids[-1] >= 0).sum()))
     preds = np.concatenate(preds)
     ids = np.concatenate(ids)
     keep = ids >= 0
@@ -319,6 +322,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     eval_every = config.train.eval_every or data.train.steps_per_epoch
 
     writer = MetricsWriter(workdir, enabled=is_main)
+    if cache is not None and cache.build_stats:
+        writer.write(start_step, cache.build_stats, prefix="teacher_cache")
     if is_main:
         print(f"[{config.stage}] objective={obj.name} student={count_params(models.student_params):,} "
               f"params, teacher={count_params(models.teacher_params) if models.teacher_params else 0:,}"

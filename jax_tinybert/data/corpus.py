@@ -26,6 +26,7 @@ import numpy as np
 
 from jax_tinybert.data.batching import BucketedBatcher
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
+from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ class PackedTextStream:
         self._doc_open = bool(state["doc_open"])
         self._buf, self._pos = list(state["buffer"]), 0
         self._emitted = int(state["num_emitted"])
+
+    @property
+    def position(self):
+        """(file index, byte offset in that file) of the next line to be read."""
+        return self._file_idx, self._offset
 
     # -- reading ----------------------------------------------------------------------------
     def _close(self):
@@ -257,8 +263,15 @@ def build_packed_corpus(files: PathOrPaths, tokenizer, seq_len: int = 128, *,
         return open_ragged(out)
     os.makedirs(cache_dir, exist_ok=True)
     w = _RaggedWriter(out, tokenizer.pad_token_id or 0)
-    for seq in PackedTextStream(files, tokenizer, seq_len, mode):
-        w.append(seq)
+    stream = PackedTextStream(files, tokenizer, seq_len, mode)
+    sizes = np.cumsum([0] + [os.path.getsize(f) for f in files])
+    with Progress(f"pack corpus ({len(files)} files)", total=int(sizes[-1]), unit="B") as prog:
+        for seq in stream:
+            w.append(seq)
+            if w.n % 256 == 0:
+                f_idx, offset = stream.position
+                prog.set(int(sizes[min(f_idx, len(files))]) + offset)
+        prog.set(int(sizes[-1]))
     ds = w.finish({"kind": "packed", "seq_len": seq_len, "mode": mode, "files": files})
     log.info("packed %d files into %d sequences of <= %d tokens (%d tokens)", len(files), len(ds),
              seq_len, int(ds.offsets[-1]))

@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_tinybert import fsutil
 from jax_tinybert.data import glue
+from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +121,10 @@ def truncate_pair(a: List[int], b: Optional[List[int]], max_tokens: int):
 
 
 def encode_texts(tokenizer, texts_a: Sequence[str], texts_b: Optional[Sequence[Optional[str]]],
-                 max_len: int, labels=None, batch_size: int = 4096) -> EncodedDataset:
+                 max_len: int, labels=None, batch_size: int = 4096,
+                 desc: str = "tokenize") -> EncodedDataset:
     """Tokenizes (pairs of) texts in batches into `[CLS] a [SEP] (b [SEP])`, truncated to
-    max_len tokens longest-first. Logs how many were truncated."""
+    max_len tokens longest-first. Logs how many were truncated; progress under `desc`."""
     cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
     if cls_id is None or sep_id is None:
         raise ValueError("tokenizer has no [CLS]/[SEP] tokens; BERT-style tokenizers only")
@@ -131,6 +133,7 @@ def encode_texts(tokenizer, texts_a: Sequence[str], texts_b: Optional[Sequence[O
     pair = texts_b is not None and any(t is not None for t in texts_b)
     ids_parts, tt_parts, lens = [], [], np.zeros(n, np.int64)
     truncated = 0
+    prog = Progress(desc, total=n, unit="ex")
     for s in range(0, n, batch_size):
         ea = tokenizer(list(texts_a[s:s + batch_size]), add_special_tokens=False,
                        return_attention_mask=False, return_token_type_ids=False, verbose=False)["input_ids"]
@@ -148,6 +151,8 @@ def encode_texts(tokenizer, texts_a: Sequence[str], texts_b: Optional[Sequence[O
             ids_parts.append(np.asarray(seq, np.int32))
             tt_parts.append(np.asarray(tt, np.int8))
             lens[s + j] = len(seq)
+        prog.update(len(ea))
+    prog.close()
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
     if truncated:
@@ -170,7 +175,8 @@ def encode_examples(tokenizer, spec, examples: Sequence[glue.Example], max_len: 
         labels = np.asarray([e.label for e in examples],
                             np.float32 if spec.is_regression else np.int32)
     return encode_texts(tokenizer, [e.text_a for e in examples],
-                        [e.text_b for e in examples] if spec.is_pair else None, max_len, labels)
+                        [e.text_b for e in examples] if spec.is_pair else None, max_len, labels,
+                        desc=f"tokenize {spec.dir_name}")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -1,0 +1,162 @@
+"""Progress of long phases (tokenisation, teacher cache, evaluation, corpus packing).
+
+On a terminal: a tqdm bar. In a log (stderr not a TTY, e.g. `python ... > run.log 2>&1` or a
+cluster job): a plain line every `every_s` seconds (env JTB_PROGRESS_EVERY_S, default 10) with
+the count, rate and ETA, and one closing line with the total time and rate. Only process 0
+writes; JTB_PROGRESS=0 turns it off.
+
+    with Progress("teacher cache", total=n, unit="ex") as p:
+        for batch in batches:
+            ...
+            p.update(len(batch))
+    p.rate        # units per second over the whole phase (e.g. for metrics.jsonl)
+
+Lines look like `[teacher cache] 12,288/67,349 ex (18%) 2,046 ex/s, ETA 27s`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Iterable, Iterator, Optional, TextIO, TypeVar
+
+T = TypeVar("T")
+
+
+def _is_main_process() -> bool:
+    # Only ask JAX when the program already uses it (importing it here would cost a second).
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        try:
+            return jax.process_index() == 0
+        except Exception:  # backend not initialisable: a single process
+            return True
+    return os.environ.get("JTB_PROCESS_ID", "0") in ("", "0")
+
+
+def _fmt_time(s: float) -> str:
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _fmt_num(x: float, unit: str) -> str:
+    if unit == "B":
+        for u in ("B", "kB", "MB", "GB", "TB"):
+            if abs(x) < 1000 or u == "TB":
+                return f"{x:.0f} {u}" if u == "B" else f"{x:.1f} {u}"
+            x /= 1000
+    return f"{x:,.0f}" if abs(x) >= 10 or float(x).is_integer() else f"{x:.1f}"
+
+
+class Progress:
+    """A counter with a rate and an ETA (see the module docstring).
+
+    total: units expected (None: unknown, no ETA). unit: "ex", "batch", "B" (bytes, shown as
+    kB/MB/...). enabled: default process 0 and JTB_PROGRESS != "0". stream: default stderr.
+    """
+
+    def __init__(self, desc: str, total: Optional[float] = None, unit: str = "ex", *,
+                 enabled: Optional[bool] = None, stream: Optional[TextIO] = None,
+                 every_s: Optional[float] = None, bar: Optional[bool] = None):
+        self.desc, self.total, self.unit = desc, total, unit
+        self.n = 0
+        self.t0 = time.perf_counter()
+        self.t_end: Optional[float] = None
+        if enabled is None:
+            enabled = os.environ.get("JTB_PROGRESS", "1") != "0" and _is_main_process()
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.every_s = float(every_s if every_s is not None
+                             else os.environ.get("JTB_PROGRESS_EVERY_S", "10"))
+        self._next = self.t0 + self.every_s
+        self._bar = None
+        if enabled and (bar if bar is not None else _isatty(self.stream)):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream,
+                             unit_scale=unit == "B", dynamic_ncols=True, mininterval=0.5)
+
+    # -- counting ---------------------------------------------------------------------------
+    def update(self, n: float = 1) -> None:
+        """Adds n units."""
+        self.set(self.n + n)
+
+    def set(self, n: float) -> None:
+        """Sets the count to n (e.g. bytes read so far)."""
+        delta, self.n = n - self.n, n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(delta)
+            return
+        now = time.perf_counter()
+        if now >= self._next:
+            self._next = now + self.every_s
+            self._line(self._status(now))
+
+    @property
+    def elapsed(self) -> float:
+        return (self.t_end or time.perf_counter()) - self.t0
+
+    @property
+    def rate(self) -> float:
+        """Units per second since the start (0 before any time has passed)."""
+        dt = self.elapsed
+        return self.n / dt if dt > 0 else 0.0
+
+    def close(self) -> None:
+        """Ends the phase: closes the bar, or writes the closing line (phases over 1 s)."""
+        if self.t_end is not None:
+            return
+        self.t_end = time.perf_counter()
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        elif self.elapsed >= 1.0:
+            u = self.unit
+            self._line(f"{_fmt_num(self.n, u)} {u} in {_fmt_time(self.elapsed)} "
+                       f"({_fmt_num(self.rate, u)} {u}/s)")
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- output -----------------------------------------------------------------------------
+    def _status(self, now: float) -> str:
+        u, dt = self.unit, now - self.t0
+        rate = self.n / dt if dt > 0 else 0.0
+        s = f"{_fmt_num(self.n, u)}"
+        if self.total:
+            s += f"/{_fmt_num(self.total, u)} {u} ({100 * self.n / self.total:.0f}%)"
+        else:
+            s += f" {u}"
+        s += f" {_fmt_num(rate, u)} {u}/s"
+        if self.total and rate > 0:
+            s += f", ETA {_fmt_time(max(0.0, self.total - self.n) / rate)}"
+        return s
+
+    def _line(self, text: str) -> None:
+        print(f"[{self.desc}] {text}", file=self.stream, flush=True)
+
+
+def track(iterable: Iterable[T], desc: str, total: Optional[float] = None, unit: str = "ex",
+          **kw) -> Iterator[T]:
+    """Yields the items of `iterable`, counting one unit per item, with progress output."""
+    with Progress(desc, total, unit, **kw) as p:
+        for item in iterable:
+            yield item
+            p.update(1)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

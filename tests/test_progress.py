@@ -1,0 +1,100 @@
+"""jax_tinybert.progress: bars on a terminal, periodic plain lines with rate and ETA in a log."""
+import io
+import re
+
+import numpy as np
+
+from jax_tinybert import progress, teacher_cache
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_plain_lines_have_count_rate_eta(monkeypatch):
+    clock = iter(np.arange(0.0, 100.0, 2.0))   # each perf_counter call: +2 s
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: float(next(clock)))
+    out = io.StringIO()
+    with progress.Progress("tokenize SST-2", total=1000, unit="ex", stream=out, every_s=1,
+                           enabled=True) as p:
+        for _ in range(4):
+            p.update(100)
+    lines = out.getvalue().splitlines()
+    # t0 = 0; updates at t = 2, 4, 6, 8 -> 100/2 s = 50 ex/s, 900 left -> ETA 18s
+    assert lines[0] == "[tokenize SST-2] 100/1,000 ex (10%) 50 ex/s, ETA 18s", lines
+    assert lines[3] == "[tokenize SST-2] 400/1,000 ex (40%) 50 ex/s, ETA 12s", lines
+    # closing line at t = 10: 400 ex in 10 s
+    assert lines[4] == "[tokenize SST-2] 400 ex in 10s (40 ex/s)", lines
+    assert p.rate == 40.0 and p.elapsed == 10.0
+
+
+def test_plain_lines_are_periodic_and_bytes_are_scaled(monkeypatch):
+    t = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: t[0])
+    out = io.StringIO()
+    p = progress.Progress("pack corpus", total=20_000_000, unit="B", stream=out, every_s=10,
+                          enabled=True)
+    for i in range(1, 31):          # one update per second for 30 s
+        t[0] = float(i)
+        p.set(i * 100_000)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 4, lines   # at 10 s, 20 s, 30 s + the closing line
+    assert lines[0] == "[pack corpus] 1.0 MB/20.0 MB B (5%) 100.0 kB B/s, ETA 3m10s", lines
+    assert re.fullmatch(r"\[pack corpus\] 3\.0 MB B in 30s \(100\.0 kB B/s\)", lines[-1]), lines
+
+
+def test_unknown_total_no_eta_and_quiet_short_phase():
+    out = io.StringIO()
+    with progress.Progress("eval", unit="batch", stream=out, every_s=0, enabled=True) as p:
+        p.update(3)
+    text = out.getvalue()
+    assert "ETA" not in text and "%" not in text and "batch/s" in text, text
+    assert "in " not in text  # under a second: no closing line
+
+
+def test_tty_gets_a_tqdm_bar():
+    out = _Tty()
+    with progress.Progress("teacher cache", total=50, unit="ex", stream=out, enabled=True) as p:
+        p.update(50)
+    text = out.getvalue()
+    assert "teacher cache" in text and "50/50" in text and "ex/s" in text, text
+
+
+def test_disabled_and_other_processes_write_nothing(monkeypatch):
+    out = io.StringIO()
+    with progress.Progress("x", total=10, stream=out, every_s=0, enabled=False) as p:
+        p.update(10)
+    monkeypatch.setenv("JTB_PROCESS_ID", "1")
+    monkeypatch.setattr(progress.sys, "modules", {k: v for k, v in progress.sys.modules.items()
+                                                  if k != "jax"})
+    q = progress.Progress("x", total=10, stream=out, every_s=0)
+    q.update(10)
+    q.close()
+    assert out.getvalue() == "" and not q.enabled and p.rate > 0
+
+
+def test_track_counts_items():
+    out = io.StringIO()
+    items = list(progress.track(range(7), "batches", stream=out, every_s=0, enabled=True))
+    assert items == list(range(7))
+    assert out.getvalue().splitlines()[-1].startswith("[batches] 7 ex"), out.getvalue()
+
+
+def test_teacher_cache_build_reports_progress_and_rate(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JTB_PROGRESS_EVERY_S", "0")
+    n = 10
+
+    def forward(params, ids, mask, types):
+        return {"teacher_logits": np.asarray(ids[:, :2], np.float32) * params}
+
+    batches = [{"example_id": np.arange(i, i + 5), "input_ids": np.ones((5, 4), np.int32) * i,
+                "attention_mask": np.ones((5, 4), np.int32),
+                "token_type_ids": np.zeros((5, 4), np.int32)} for i in (0, 5)]
+    cache = teacher_cache.build(str(tmp_path / "c"), {"t": 1}, forward, np.float32(2.0),
+                                batches, n)
+    err = capsys.readouterr().err
+    assert "[teacher cache] 5/10 ex (50%)" in err and "[teacher cache] 10/10 ex (100%)" in err, err
+    assert cache.build_stats["examples_per_s"] > 0 and cache.build_stats["seconds"] >= 0
+    np.testing.assert_array_equal(cache.lookup([7])["teacher_logits"], [[10.0, 10.0]])  # batch 5..9: ids 5 x 2
