@@ -23,7 +23,7 @@ most N new sentences; for sentence-pair tasks each side is augmented separately 
 side kept. Randomness is drawn per (seed, row, column), so results do not depend on batching.
 
 CLI: python -m jax_tinybert.data.augment --task SST-2 --glue_dir GLUE --mlm bert-base-uncased \
-       --out OUT_DIR [--glove_path glove.6B.300d.txt] [--N 20 --K 15 --p 0.4 --seed 42]
+       --out OUT_DIR_OR_FILE.tsv [--glove_path glove.6B.300d.txt] [--N 20 --K 15 --p 0.4 --seed 42]
      python -m jax_tinybert.data.augment --task SST-2 --glue_dir GLUE --mode embedding \
        --encoder TEACHER_FOLDER --out OUT_DIR
 """
@@ -336,14 +336,18 @@ class Augmenter:
         return [self.sample(s, c, np.random.default_rng([self.seed, r, col]))
                 for s, c, (r, col) in zip(sentences, cands, keys)]
 
-    def augment_tsv(self, task, in_path: str, out_path: str, chunk_rows: int = 512) -> Dict:
+    def augment_tsv(self, task, in_path: str, out_path: str, chunk_rows: int = 512,
+                    max_rows: Optional[int] = None) -> Dict:
         """Reads a GLUE TSV, writes the augmented TSV (header kept; each original row followed by
-        its augmented rows) atomically. Returns counts."""
+        its augmented rows) atomically. max_rows: only the first rows (a quick look). Returns
+        counts."""
         spec = glue.get_task(task)
         glue.read_tsv_split(spec, "train", in_path)  # validates the whole file first
         with open(in_path, encoding="utf-8-sig", newline="") as f:
             rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
         header = [rows.pop(0)] if spec.has_header else []
+        if max_rows:
+            rows = rows[:max_rows]
         cols = [c for c in (spec.text_a_col, spec.text_b_col) if c is not None]
         fsutil.clean_stale_temps(out_path)
         fd, tmp = fsutil.mkstemp(out_path, suffix=".tsv")
@@ -390,7 +394,8 @@ def _main(argv=None):
                     "or the export of configs/mlm_head.py)")
     ap.add_argument("--encoder", default=None,
                     help="mode embedding: any HF BERT folder (e.g. the teacher); default --mlm")
-    ap.add_argument("--out", required=True, help="output folder (default: the task folder)")
+    ap.add_argument("--out", required=True,
+                    help="output .tsv file, or a folder (writes <folder>/train_aug.tsv)")
     ap.add_argument("--train_file", default=None,
                     help="augment this TSV instead of <glue_dir>/<Task>/train.tsv")
     ap.add_argument("--glove_path", default=None, help="GloVe .txt; default: MLM embeddings")
@@ -403,6 +408,8 @@ def _main(argv=None):
     ap.add_argument("--max_seq_len", type=int, default=128)
     ap.add_argument("--batch_size", type=int, default=64)
     ap.add_argument("--no_dedupe", action="store_true")
+    ap.add_argument("--max_rows", type=int, default=None,
+                    help="augment only the first N training rows (a quick look)")
     args = ap.parse_args(argv)
     if args.mode == "mlm" and not args.mlm:
         ap.error("--mode mlm needs --mlm (a BERT with a masked-LM head); without one use "
@@ -431,9 +438,9 @@ def _main(argv=None):
         emb = hf.bert_params(params)["embeddings"]["word_embeddings"]["embedding"]
         aug = Augmenter(tok, mode="embedding", word_embeddings=emb, **common)
     src = args.train_file or glue.tsv_path(args.glue_dir, spec, "train")
-    out = os.path.join(args.out, "train_aug.tsv")
+    out = args.out if args.out.endswith(".tsv") else os.path.join(args.out, "train_aug.tsv")
     t0 = time.time()
-    stats = aug.augment_tsv(spec, src, out)
+    stats = aug.augment_tsv(spec, src, out, max_rows=args.max_rows)
     dt = time.time() - t0
     log.info("wrote %s: %d rows from %d in %.1f s (%.1f input rows/s)", out, stats["rows_out"],
              stats["rows_in"], dt, stats["rows_in"] / max(dt, 1e-9))
