@@ -1,0 +1,68 @@
+"""benchmarks/glue.py --budget cpu: stage sizing, the results.json rows and argument errors
+(the training itself is covered by the --budget small end-to-end test)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def glue_bench():
+    spec = importlib.util.spec_from_file_location("glue_bench", os.path.join(REPO, "benchmarks",
+                                                                            "glue.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_epochs_sized_to_one_sst2_epoch_per_stage(glue_bench):
+    e = glue_bench.cpu_epochs
+    assert e(67349, 5.0) == 1.0                    # SST-2: one epoch
+    assert e(3668, 10.0) == 10.0 and e(3668, 5.0) == 5.0   # MRPC: capped
+    assert e(363846, 10.0) == pytest.approx(67349 / 363846)  # QQP: a fraction of an epoch
+
+
+def _summary(main, steps, wall, export):
+    return {"best": {"main": main, "step": steps}, "steps": steps, "wall_s": wall,
+            "student_params": 1234, "export": export}
+
+
+def test_rows_schema_and_table(glue_bench, glue_dir, tmp_path):
+    import types
+    A = types.SimpleNamespace(glue_dir=str(glue_dir))
+    res = {"teacher": _summary(0.9, 10, 5.0, "rel/teacher/export"),
+           "inter": _summary(0.5, 10, 3.0, "i"), "pred": _summary(0.88, 10, 2.0, "p"),
+           "pkd": _summary(0.87, 10, 4.0, "k"), "kd": _summary(0.86, 10, 4.0, "kd"),
+           "labels": _summary(0.85, 10, 4.0, "l")}
+    rows = glue_bench.cpu_rows(A, "sst2", res)
+    assert [r["model"] for r in rows] == ["teacher", "tinybert", "pkd", "kd", "labels-only",
+                                          "majority"]
+    for r in rows:
+        assert set(r) >= {"task", "model", "dev", "metric", "export", "params", "wall_s"}
+        assert r["task"] == "SST-2" and r["metric"] == "acc"
+    tb = rows[1]
+    assert tb["dev"] == 0.88 and tb["wall_s"] == 5.0 and os.path.isabs(tb["export"])
+    assert tb["stages"] == {"inter": {"steps": 10, "wall_s": 3.0},
+                            "pred": {"steps": 10, "wall_s": 2.0}}
+    assert rows[-1]["dev"] == pytest.approx(0.5092, abs=1e-4)  # majority class of SST-2 dev
+    table = glue_bench.cpu_table(rows, {"sst2": res})
+    assert "| SST-2 | tinybert | 0.8800 | acc | 97.8% |" in table
+    json.dumps(rows)  # serialisable as results.json
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--tasks", "sst3"], "'sst3' is not one of"),
+    (["--tasks", "cola"], "CoLA/train.tsv not found"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, glue_dir, argv, msg):
+    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"), "--budget",
+                        "cpu", "--glue_dir", str(glue_dir), "--workdir", str(tmp_path / "w"),
+                        *argv], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert p.returncode == 2 and msg in p.stderr, p.stderr
+    assert not (tmp_path / "w" / "results.json").exists()
