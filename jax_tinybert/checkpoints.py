@@ -48,6 +48,8 @@ See docs/checkpoints.md for resume, preemption, corrupt fallback and mesh change
 """
 from __future__ import annotations
 
+import collections
+import glob
 import hashlib
 import json
 import logging
@@ -61,9 +63,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jax_tinybert import checkpoint_digests as digests
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Checkpointer", "abstract_like"]
+
+# Key in each saved meta: this step has a digests.json (so one that lacks it is damaged, not
+# merely written by a version without digests).
+_DIGESTED = "_digested"
 
 # Coordination-service timeout for our own barriers (stop agreement, restore agreement).
 # Generous: a slow host may still be finishing a step or a restore when the others arrive.
@@ -149,6 +157,7 @@ class Checkpointer:
         self._checked: dict[int, bool] = {}
         self._prev_sigterm = None
         self._sigterm_installed = False
+        self._digesters: dict[int, _Digester] = {}
 
         self._mngr = self._make_manager(
             self.workdir / "checkpoints",
@@ -171,9 +180,35 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ construction
     def _make_manager(self, directory, **options):
+        digester = _Digester(epath.Path(directory))
+        async_options = (ocp.AsyncOptions(post_finalization_callback=digester)
+                         if self._async else None)
         opts = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=self._async, create=True, **options)
-        return ocp.CheckpointManager(directory, options=opts, item_names=("state", "meta"))
+            enable_async_checkpointing=self._async, create=True, async_options=async_options,
+            **options)
+        mngr = ocp.CheckpointManager(directory, options=opts, item_names=("state", "meta"))
+        self._digesters[id(mngr)] = digester
+        return mngr
+
+    def _save(self, mngr, step: int, args, **kw) -> bool:
+        """mngr.save, with the step's files hashed into digests.json once written."""
+        digester = self._digesters[id(mngr)]
+        if jax.process_index() == 0:  # orbax calls the digester on process 0 only
+            digester.pending.append(step)
+        try:
+            saved = bool(mngr.save(step, args=args, **kw))
+        except BaseException:
+            digester.discard(step)
+            raise
+        if not saved:
+            digester.discard(step)
+        elif not self._async:
+            # Sync save: the step is final already; hash it now (process 0, shared files).
+            digester.discard(step)
+            if jax.process_index() == 0:
+                digests.write(mngr.directory / str(step))
+            self._barrier("digests")
+        return saved
 
     def _read_best_value(self):
         step = self._best_mngr.best_step()
@@ -217,8 +252,9 @@ class Checkpointer:
     # ------------------------------------------------------------------ saving
     @staticmethod
     def _args(state, meta):
+        meta = dict(_to_json(meta), **{_DIGESTED: 1})
         return ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  meta=ocp.args.JsonSave(_to_json(meta)))
+                                  meta=ocp.args.JsonSave(meta))
 
     def maybe_save(self, step: int, state, meta: Mapping[str, Any] | None = None) -> bool:
         """Save if `step` is on the save interval. Returns whether a save was started."""
@@ -236,7 +272,7 @@ class Checkpointer:
         step = int(step)
         if step in self._mngr.all_steps():
             return False
-        saved = self._mngr.save(step, args=self._args(state, meta), force=force)
+        saved = self._save(self._mngr, step, self._args(state, meta), force=force)
         if saved:
             log.info("checkpoint step %d -> %s%s", step, self.directory,
                      " (async)" if self._async else "")
@@ -261,8 +297,8 @@ class Checkpointer:
             return False
         meta = dict(_to_json(meta))
         meta.setdefault("best", {"metric": self.best_metric, "value": metric, "step": step})
-        saved = self._best_mngr.save(step, args=self._args(state, meta),
-                                     metrics={self.best_metric: metric}, force=True)
+        saved = self._save(self._best_mngr, step, self._args(state, meta),
+                           metrics={self.best_metric: metric}, force=True)
         if saved:
             log.info("best checkpoint step %d (%s=%.6g, previous %s) -> %s", step,
                      self.best_metric, metric, self._best_value, self.best_directory)
@@ -305,37 +341,90 @@ class Checkpointer:
         return self._restore_first_good(self._best_mngr, steps, abstract_state)
 
     def restore(self, step: int, abstract_state, *, best: bool = False):
-        """`(step, state, meta)` of exactly `step` (no fallback; errors propagate)."""
+        """`(step, state, meta)` of exactly `step` (no fallback; errors propagate).
+
+        The step's files are checked against its digests first (ValueError if damaged).
+        """
         mngr = self._best_mngr if best else self._mngr
-        r = mngr.restore(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_like(abstract_state)),
-            meta=ocp.args.JsonRestore()))
-        return int(step), r["state"], dict(r["meta"] or {})
+        problem = self._verify(mngr, int(step))
+        if self._any_process(problem is not None, f"verify_{int(step)}"):
+            raise ValueError(f"checkpoint {mngr.directory / str(step)} is damaged: "
+                             f"{problem or 'on another process'}")
+        return self._restore_step(mngr, int(step), abstract_like(abstract_state))
+
+    @staticmethod
+    def _restore_step(mngr, step, abstract):
+        r = mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        meta = dict(r["meta"] or {})
+        meta.pop(_DIGESTED, None)
+        return step, r["state"], meta
+
+    def _verify(self, mngr, step) -> str | None:
+        """None if the step's files match the digests written at save time, else the problem."""
+        step_dir = mngr.directory / str(step)
+        problem = digests.verify(step_dir)
+        if problem != f"no {digests.DIGESTS}":
+            return problem
+        # No digests.json: damage if the step's meta says it was written with them; else a
+        # checkpoint of a version without digests (restored as before, unverified).
+        try:
+            with open(step_dir / "meta" / "metadata") as fh:
+                digested = _DIGESTED in json.load(fh)
+        except (OSError, ValueError, TypeError):
+            digested = False  # the orbax restore reports an unreadable meta
+        if digested:
+            return problem
+        log.warning("checkpoint %s has no %s (written by an older version): restored "
+                    "without verification", step_dir, digests.DIGESTS)
+        return None
 
     def _restore_first_good(self, mngr, steps, abstract_state):
+        """Newest step of `steps` intact and readable on every process, or None / raise.
+
+        For each candidate, each process hashes the files and the results are OR-ed over
+        processes (so a damage seen by one host only still moves everyone to the same older
+        step, before orbax's collective restore could hang on it); then orbax restores.
+        Damaged steps (digest mismatch) are always moved aside; steps orbax cannot read only
+        once an older one restored (a changed state structure fails every step that way).
+        """
         if not steps:
             return None
         abstract = abstract_like(abstract_state)
+        damaged: list[int] = []
         bad: list[tuple[int, BaseException]] = []
         for step in steps:
+            problem = self._verify(mngr, step)
+            if self._any_process(problem is not None, f"verify_{step}"):
+                log.warning("checkpoint step %d in %s is damaged (%s); falling back to an earlier "
+                            "checkpoint", step, mngr.directory, problem or "seen by another process")
+                damaged.append(step)
+                continue
             err = None
             try:
-                r = mngr.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+                got = self._restore_step(mngr, step, abstract)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint -> try older
                 err = e
             # All processes must take the same branch, or they would restore different steps
             # and hang in the next collective.
             if not self._any_process(err is not None, f"restore_{step}"):
-                if bad:
-                    self._quarantine(mngr, [s for s, _ in bad])
-                return step, r["state"], dict(r["meta"] or {})
+                self._quarantine(mngr, damaged + [s for s, _ in bad])
+                if damaged or bad:
+                    log.warning("restored checkpoint step %d in %s instead of the newer, damaged "
+                                "step(s) %s", step, mngr.directory,
+                                sorted(damaged + [s for s, _ in bad]))
+                return got
             if err is None:
                 err = RuntimeError("another process could not read this checkpoint")
             log.warning("checkpoint step %d in %s is unreadable (%s: %s); falling back to an "
                         "earlier checkpoint", step, mngr.directory, type(err).__name__,
                         str(err).splitlines()[0][:300] if str(err) else "")
             bad.append((step, err))
+        self._quarantine(mngr, damaged)
+        if not bad:
+            log.warning("no intact checkpoint in %s: every step (%s) was damaged and moved "
+                        "aside; starting without one", mngr.directory, damaged)
+            return None
         first_step, first_err = bad[0]
         raise RuntimeError(
             f"no checkpoint in {mngr.directory} could be restored (tried steps "
@@ -344,7 +433,9 @@ class Checkpointer:
             from first_err
 
     def _quarantine(self, mngr, steps):
-        """Move unreadable step directories aside (kept for inspection, out of orbax's view)."""
+        """Move damaged step directories aside (kept for inspection, out of orbax's view)."""
+        if not steps:
+            return
         if jax.process_index() == 0:
             for step in steps:
                 src = mngr.directory / str(step)
@@ -356,9 +447,11 @@ class Checkpointer:
                     dst = mngr.directory / f"corrupt_{step}_{n}"
                     n += 1
                 src.rename(dst)
-                log.warning("moved unreadable checkpoint step %d to %s", step, dst)
+                log.warning("moved damaged checkpoint step %d to %s", step, dst)
         self._barrier("quarantine")
         mngr.reload()
+        if mngr is self._best_mngr:
+            self._best_value = self._read_best_value()
 
     # ------------------------------------------------------------------ preemption
     def install_sigterm_handler(self):
@@ -460,3 +553,38 @@ class Checkpointer:
         self._pending_delete = [key + str(jax.process_index())] if flag else []
         return result
 
+
+class _Digester:
+    """orbax post-finalization callback: hash the step just written into its digests.json.
+
+    Runs on process 0 in orbax's background thread, after every process has written its
+    shards and before the step's temporary folder is renamed into place, so a step that
+    exists under its final name always has its digests. orbax keeps one save in flight per
+    manager, so `pending` (steps in the order saves were started) names the step.
+    """
+
+    def __init__(self, directory: epath.Path):
+        self.directory = directory
+        self.pending: collections.deque[int] = collections.deque()
+
+    def discard(self, step: int) -> None:
+        try:
+            self.pending.remove(step)
+        except ValueError:
+            pass
+
+    def __call__(self) -> None:
+        if not self.pending:
+            log.error("checkpoint digests: a save finished in %s but no step was pending",
+                      self.directory)
+            return
+        step = self.pending.popleft()
+        tmps = sorted(glob.glob(os.path.join(os.fspath(self.directory),
+                                             f"{step}.orbax-checkpoint-tmp*")),
+                      key=os.path.getmtime)
+        step_dir = tmps[-1] if tmps else os.fspath(self.directory / str(step))
+        try:
+            digests.write(step_dir)
+        except Exception:  # noqa: BLE001 - the save itself succeeded; its restore will refuse it
+            log.exception("checkpoint digests: could not hash %s; this step will count as "
+                          "damaged when restoring", step_dir)

@@ -1,0 +1,110 @@
+"""SHA-256 digests of the files of one checkpoint step, written at save, checked at restore.
+
+orbax checksums nothing: bytes overwritten inside a compressed chunk can still decode, and the
+restore then returns wrong values (NaN in an Adam moment, say) without an error. So once orbax
+has written a step (before it renames the step's temporary folder into place) the digest of
+every file goes to `<step>/digests.json`; a restore first re-hashes the files and compares.
+A file changed, shortened, missing or unreadable makes the step corrupt.
+
+    write(step_dir)                  # -> the digests dict, also written to step_dir/digests.json
+    problem = verify(step_dir)       # None when intact, else a one-line description
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+from typing import Dict, Optional
+
+__all__ = ["DIGESTS", "write", "verify", "compute"]
+
+DIGESTS = "digests.json"
+VERSION = 1
+# Written or rewritten by orbax after the data, holding timestamps (and the best manager's
+# metric), not array data: a damaged one fails orbax's own JSON parsing.
+_SKIP = {DIGESTS, "commit_success.txt"}
+_SKIP_TOP = {"_CHECKPOINT_METADATA"}
+_CHUNK = 8 << 20
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            b = fh.read(_CHUNK)
+            if not b:
+                return h.hexdigest()
+            h.update(b)  # releases the GIL: files hash in parallel threads
+
+
+def _files(step_dir: str):
+    for root, dirs, files in os.walk(step_dir):
+        dirs.sort()
+        for f in sorted(files):
+            if f in _SKIP or (root == step_dir and f in _SKIP_TOP):
+                continue
+            full = os.path.join(root, f)
+            yield os.path.relpath(full, step_dir).replace(os.sep, "/"), full
+
+
+def compute(step_dir: str, rels=None) -> Dict[str, Dict]:
+    """{relative path: {"bytes", "sha256"}} of the files under `step_dir` (or only `rels`)."""
+    step_dir = os.fspath(step_dir)
+    items = list(_files(step_dir)) if rels is None else [
+        (r, os.path.join(step_dir, *r.split("/"))) for r in rels]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
+        digests = list(ex.map(lambda it: _sha256(it[1]), items))
+    return {rel: {"bytes": os.path.getsize(full), "sha256": d}
+            for (rel, full), d in zip(items, digests)}
+
+
+def write(step_dir: str) -> Dict[str, Dict]:
+    """Hash every file of `step_dir` and write `step_dir/digests.json` (temp file + rename)."""
+    step_dir = os.fspath(step_dir)
+    files = compute(step_dir)
+    path = os.path.join(step_dir, DIGESTS)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"version": VERSION, "algorithm": "sha256", "files": files}, fh, indent=0,
+                  sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return files
+
+
+def has_digests(step_dir: str) -> bool:
+    return os.path.exists(os.path.join(os.fspath(step_dir), DIGESTS))
+
+
+def verify(step_dir: str) -> Optional[str]:
+    """None if every file listed in `step_dir/digests.json` is intact, else what is wrong.
+
+    A step without digests.json (written by an older version) is reported as such; the caller
+    decides whether to trust it.
+    """
+    step_dir = os.fspath(step_dir)
+    path = os.path.join(step_dir, DIGESTS)
+    try:
+        with open(path) as fh:
+            want = json.load(fh)["files"]
+    except FileNotFoundError:
+        return f"no {DIGESTS}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{DIGESTS} unreadable ({type(e).__name__}: {e})"
+    missing = [r for r in want if not os.path.isfile(os.path.join(step_dir, *r.split("/")))]
+    if missing:
+        return f"{len(missing)} file(s) missing, e.g. {missing[0]}"
+    resized = [r for r, w in want.items()
+               if os.path.getsize(os.path.join(step_dir, *r.split("/"))) != w["bytes"]]
+    if resized:
+        return f"{len(resized)} file(s) changed size, e.g. {resized[0]}"
+    try:
+        got = compute(step_dir, list(want))
+    except OSError as e:
+        return f"unreadable file ({e})"
+    bad = [r for r in want if got[r]["sha256"] != want[r]["sha256"]]
+    if bad:
+        return f"{len(bad)} file(s) fail their sha256, e.g. {bad[0]}"
+    return None
