@@ -298,11 +298,21 @@ def test_nothing_readable_raises_and_moves_nothing(tmp_path):
     c.close()
 
 
-def test_should_stop_single_process(tmp_path):
-    with Checkpointer(tmp_path) as c:
-        assert not c.should_stop(1) and not c.preempted
-        c.request_stop()
-        assert c.preempted and c.should_stop(2) and c.should_stop(3)
+def test_preemption_poll_single_process():
+    from jax_tinybert.preemption import Preemption
+
+    step_fn = jax.jit(lambda x: x + 1)
+    x = jnp.zeros(4)
+    pre = Preemption()
+    stops = []
+    for step in range(1, 10):
+        x = step_fn(x)
+        if pre.poll(step, x):
+            stops.append(step)
+            break
+        if step == 4:
+            pre.request_stop()      # arrives while step 5 would be queued
+    assert pre.received and stops == [5] and pre.poll(6, x)  # sticky
 
 
 # ---------------------------------------------------------------------------- subprocesses
@@ -391,34 +401,36 @@ os._exit(0)   # no interpreter shutdown, no atexit: wait() alone must have finis
     np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(2_000_000, dtype=np.float32))
 
 
-def test_sigterm_sets_flag_then_loop_saves_and_exits(tmp_path):
+def test_sigterm_sets_flag_then_loop_saves_and_exits_143(tmp_path):
     code = """
-import os, signal, sys, jax.numpy as jnp
+import os, signal, sys, jax, jax.numpy as jnp
 from jax_tinybert.checkpoints import Checkpointer
+from jax_tinybert.preemption import EXIT_CODE, Preemption
 c = Checkpointer(sys.argv[1], save_interval_steps=100)
-c.install_sigterm_handler()
+pre = Preemption().install()
+step_fn = jax.jit(lambda s: {"x": s["x"] + 1})
 state = {"x": jnp.zeros(4)}
 for step in range(1, 1000):
-    state = {"x": state["x"] + 1}
+    state = step_fn(state)
     c.maybe_save(step, state, {"step": step})
-    if step == 5:
-        os.kill(os.getpid(), signal.SIGTERM)    # the handler only sets the flag
-        assert c.preempted
-        assert c.latest_step() is None          # ... and saved nothing by itself
-    if c.should_stop(step):
+    if pre.poll(step, state["x"]):
         c.save(step, state, {"step": step}, force=True)
         c.close()
         print("STOPPED", step)
-        sys.exit(0)
+        sys.exit(EXIT_CODE)
+    if step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)    # the handler only sets the flag
+        assert pre.received
+        assert c.latest_step() is None          # ... and saved nothing by itself
 sys.exit(3)
 """
     r = run_sub(code, tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "STOPPED 5" in r.stdout
+    assert r.returncode == 143, r.stderr[-3000:]
+    assert "STOPPED 6" in r.stdout
     with Checkpointer(tmp_path) as c:
         step, got, meta = c.restore_latest({"x": jnp.zeros(4)})
-    assert step == 5 and meta == {"step": 5}
-    np.testing.assert_array_equal(np.asarray(got["x"]), np.full(4, 5.0))
+    assert step == 6 and meta == {"step": 6}
+    np.testing.assert_array_equal(np.asarray(got["x"]), np.full(4, 6.0))
 
 
 def _free_port():
@@ -435,6 +447,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 from jax.sharding import Mesh
 from jax_tinybert.checkpoints import Checkpointer, abstract_like
+from jax_tinybert.preemption import Preemption
 assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
 mesh = Mesh(np.array(jax.devices()), ("data",))
 st, tx = sharded_state(mesh)
@@ -446,20 +459,20 @@ def step_fn(st):
     return st.replace(step=st.step + 1, params=optax.apply_updates(st.params, upd), opt_state=opt)
 
 c = Checkpointer(workdir, save_interval_steps=4, max_to_keep=2)
-c.install_sigterm_handler()
+pre = Preemption().install()
 stop_step = None
 for step in range(1, 50):
     st = step_fn(st)
     c.maybe_save(step, st, {"step": step, "pid_independent": True})
     if step == 4:
         ref4 = host(st)
-    if pid == 1 and step == 6:
-        os.kill(os.getpid(), signal.SIGTERM)    # preemption notice on one host only
-    if c.should_stop(step):
+    if pre.poll(step, st.step):
         c.save(step, st, {"step": step, "pid_independent": True}, force=True)
         c.wait()
         stop_step = step
         break
+    if pid == 1 and step == 6:
+        os.kill(os.getpid(), signal.SIGTERM)    # preemption notice on one host only
 ref = host(st)
 restored = c.restore_latest(abstract_like(st))
 rstep, rst, rmeta = restored
@@ -475,31 +488,31 @@ steps = c.all_steps()
 from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("before_corrupt")
 if pid == 0:
-    with open(os.path.join(workdir, "checkpoints", "6", "meta", "metadata"), "w") as f:
+    with open(os.path.join(workdir, "checkpoints", "8", "meta", "metadata"), "w") as f:
         f.write("{garbage")
 multihost_utils.sync_global_devices("after_corrupt")
 fstep, fst, fmeta = c.restore_latest(abstract_like(st))
 fb_equal = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host(fst)),
                                                      jax.tree.leaves(ref4)))
 fallback = dict(step=fstep, meta=fmeta, equal=fb_equal, steps=c.all_steps(),
-                moved=os.path.isdir(os.path.join(workdir, "checkpoints", "corrupt_6")))
+                moved=os.path.isdir(os.path.join(workdir, "checkpoints", "corrupt_8")))
 
-# Step 8 looks damaged to process 1 only (e.g. a stale cache on that host): both processes
+# Step 9 looks damaged to process 1 only (e.g. a stale cache on that host): both processes
 # must still agree on step 4, without hanging in orbax's collective restore.
-c.save(8, st, {"step": 8, "pid_independent": True})
+c.save(9, st, {"step": 9, "pid_independent": True})
 c.wait()
 if pid == 1:
     from jax_tinybert import checkpoint_digests
     real_verify = checkpoint_digests.verify
-    checkpoint_digests.verify = lambda d: ("simulated damage" if str(d).endswith("/8")
+    checkpoint_digests.verify = lambda d: ("simulated damage" if str(d).endswith("/9")
                                            else real_verify(d))
 ostep = c.restore_latest(abstract_like(st))[0]
 one_host = dict(step=ostep, moved=os.path.isdir(os.path.join(workdir, "checkpoints",
-                                                                 "corrupt_8")))
+                                                                 "corrupt_9")))
 c.close()
 print("RESULT " + json.dumps(dict(stop_step=stop_step, rstep=rstep, meta=rmeta, equal=equal,
       same_sharding=same_sharding, checksum=checksum, steps=steps,
-      preempted=c.preempted, fallback=fallback, one_host=one_host)), flush=True)
+      preempted=pre.received, fallback=fallback, one_host=one_host)), flush=True)
 jax.distributed.shutdown()
 """
     port = _free_port()
@@ -526,13 +539,14 @@ jax.distributed.shutdown()
         assert line, (out, err[-4000:])
         results.append(json.loads(line[-1][len("RESULT "):]))
     r0, r1 = results
-    # Both stop at the step where process 1 got SIGTERM, though process 0 never did.
-    assert r0["stop_step"] == r1["stop_step"] == 6
+    # Both stop together two steps after process 1 got SIGTERM (one step to feed its flag
+    # into the agreement, one to read it), though process 0 never got it.
+    assert r0["stop_step"] == r1["stop_step"] == 8
     assert (r0["preempted"], r1["preempted"]) == (False, True)
     for r in results:
-        assert r["rstep"] == 6 and r["meta"] == {"step": 6, "pid_independent": True}
+        assert r["rstep"] == 8 and r["meta"] == {"step": 8, "pid_independent": True}
         assert r["equal"] and r["same_sharding"]
-        assert r["steps"] == [4, 6]
+        assert r["steps"] == [4, 8]
     assert r0["checksum"] == r1["checksum"]
     for r in results:
         assert r["fallback"] == dict(step=4, meta={"step": 4, "pid_independent": True},
