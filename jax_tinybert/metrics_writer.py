@@ -2,33 +2,86 @@
 
 Only process 0 writes (enabled=False elsewhere). TensorBoard goes through tensorboardX because
 clu's writers need TensorFlow; without tensorboardX only the JSON lines are written.
+
+Resuming: `MetricsWriter(workdir, start_step=s)` keeps only the records of steps <= s (the
+restored checkpoint; later ones were written by the killed run and are about to be replayed)
+and rebuilds `tb/` from them as a single events file, so a resumed run's metrics equal an
+unbroken run's: no step repeated, no second events file.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 import time
-from typing import Dict
+from typing import Dict, List
 
 log = logging.getLogger(__name__)
 
+__all__ = ["MetricsWriter", "read_jsonl"]
+
+
+def read_jsonl(path: str) -> List[dict]:
+    """The records of a metrics.jsonl; a torn last line (killed mid-write) is skipped."""
+    out = []
+    try:
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "step" in rec:
+                    out.append(rec)
+    except FileNotFoundError:
+        pass
+    return out
+
 
 class MetricsWriter:
-    def __init__(self, workdir: str, enabled: bool = True):
+    """Appends records to workdir/metrics.jsonl and workdir/tb (process 0 only).
+
+    start_step: the step the run starts from (0 fresh, else the restored checkpoint's step):
+    records of later steps are dropped and TensorBoard is rebuilt from the rest. None appends
+    to whatever is there.
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True, start_step: int | None = None):
         self.enabled = enabled
         self._tb = None
         self._fh = None
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._fh = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        path = os.path.join(workdir, "metrics.jsonl")
+        if start_step is not None:
+            kept = [r for r in read_jsonl(path) if r["step"] <= start_step]
+            tmp = path + ".tmp"
+            with open(tmp, "w") as fh:
+                for r in kept:
+                    fh.write(json.dumps(r) + "\n")
+            os.replace(tmp, path)
+        self._fh = open(path, "a")
+        tb_dir = os.path.join(workdir, "tb")
         try:
             from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
         except ImportError:
             log.warning("tensorboardX not installed: metrics go to metrics.jsonl only")
+            return
+        if start_step is not None:
+            # One events file holding exactly the kept records (TensorBoard would otherwise
+            # show the killed run's extra steps, and the replayed ones twice, from a 2nd file).
+            shutil.rmtree(tb_dir, ignore_errors=True)
+        self._tb = SummaryWriter(tb_dir)
+        if start_step is not None:
+            for r in kept:
+                self._add_tb(r)
+
+    def _add_tb(self, rec: dict) -> None:
+        for k, v in rec.items():
+            if k not in ("step", "time"):
+                self._tb.add_scalar(k, v, rec["step"], walltime=rec.get("time"))
 
     def write(self, step: int, metrics: Dict[str, float], prefix: str = "") -> None:
         """One record {"step", "time", "<prefix>/<name>": value, ...}."""
@@ -39,9 +92,7 @@ class MetricsWriter:
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
         if self._tb is not None:
-            for k, v in rec.items():
-                if k not in ("step", "time"):
-                    self._tb.add_scalar(k, v, step)
+            self._add_tb(rec)
 
     def close(self) -> None:
         if self._fh is not None:

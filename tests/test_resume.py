@@ -122,3 +122,38 @@ def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
     from_step = _resumed_step(res.stdout)
     assert from_step == saved
     _check_resumed(straight, wd, n_before, from_step)
+
+
+def test_metrics_writer_resume_drops_replayed_steps_and_rebuilds_tensorboard(tmp_path):
+    """A killed run wrote steps 1..9 (and a torn line); resuming from the step-6 checkpoint
+    keeps 1..6, and after steps 7..10 the JSON lines and TensorBoard equal an unbroken run's."""
+    import json
+
+    from jax_tinybert.metrics_writer import MetricsWriter, read_jsonl
+
+    def run(w, steps):
+        for s in steps:
+            w.write(s, {"loss": 1.0 / s, "lr": 0.1}, prefix="train")
+            if s % 5 == 0:
+                w.write(s, {"accuracy": s / 10}, prefix="eval")
+
+    straight = tmp_path / "straight"
+    w = MetricsWriter(str(straight))
+    run(w, range(1, 11))
+    w.close()
+    killed = tmp_path / "killed"
+    w = MetricsWriter(str(killed))
+    run(w, range(1, 10))
+    w.close()
+    with open(killed / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 10, "train/lo')             # killed mid-write
+    w = MetricsWriter(str(killed), start_step=6)
+    assert [r["step"] for r in read_jsonl(str(killed / "metrics.jsonl"))] == [1, 2, 3, 4, 5, 5, 6]
+    run(w, range(7, 11))
+    w.close()
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "time"} for r in recs]
+    assert strip(read_jsonl(str(killed / "metrics.jsonl"))) == \
+        strip(read_jsonl(str(straight / "metrics.jsonl")))
+    n_files, scalars = T.read_tb(killed / "tb")
+    assert n_files == 1 and scalars == T.read_tb(straight / "tb")[1] and len(scalars) == 22
+    assert all(json.loads(l) for l in (killed / "metrics.jsonl").read_text().splitlines())

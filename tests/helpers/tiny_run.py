@@ -165,3 +165,26 @@ def alive(pid) -> bool:
         return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def read_tb(tb_dir):
+    """(number of events files, sorted [(step, tag, value)]) of the scalars under tb_dir.
+
+    Reads the TFRecord framing (u64 length, u32 crc, payload, u32 crc) and tensorboardX's Event
+    proto directly (no TensorFlow / tensorboard install needed)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    files = sorted(pathlib.Path(tb_dir).glob("events.out.tfevents.*"))
+    out = []
+    for f in files:
+        data = f.read_bytes()
+        pos = 0
+        while pos + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in ev.summary.value:
+                out.append((ev.step, v.tag, round(float(v.simple_value), 6)))
+    return len(files), sorted(out)
