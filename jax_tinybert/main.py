@@ -1,6 +1,10 @@
-"""Command line: python -m jax_tinybert.main --config=configs/<stage>.py[:variant] --workdir=DIR
+"""Command line: jax-tinybert (= python -m jax_tinybert.main) --config=configs/<stage>.py[:variant]
+--workdir=DIR [--config.section.field=value ...]
 
-Every config field can be overridden: --config.train.batch_size=64 --config.data.task=mrpc.
+`--help` lists the stages, the config files and their variants and every field with its
+default (jax_tinybert/cli_help.py). A mistake in the command line, a config value, a path or
+the data prints one line `error: <problem>; <fix>` on stderr and exits with status 2 (the
+traceback too with --verbose); any other exception is a bug and keeps its traceback.
 Multi-process: env JTB_COORDINATOR / JTB_NUM_PROCESSES / JTB_PROCESS_ID (or the flags below),
 or SLURM / TPU VM auto-detection; JTB_CPU_DEVICES=N simulates N devices on the CPU.
 """
@@ -20,8 +24,14 @@ def _early_env() -> None:
 
 _early_env()
 
+import traceback  # noqa: E402
+
+import ml_collections  # noqa: E402
 from absl import app, flags, logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+
+from jax_tinybert import cli_diagnose, cli_help  # noqa: E402
+from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/demo.py "
@@ -34,17 +44,50 @@ flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for the other process
 flags.DEFINE_integer("heartbeat_timeout", None, "Seconds without a heartbeat after which a "
                      "process counts as dead and the others abort (default: env "
                      "JTB_HEARTBEAT_TIMEOUT, else JAX's 100).")
+flags.DEFINE_bool("verbose", False, "Print the full traceback of every error (by default a "
+                  "mistake in the command line, config, paths or data prints one line).")
 flags.mark_flags_as_required(["config", "workdir"])
+
+HELP_ARGS = ("-h", "-help", "--help", "--helpshort", "-?")
+
+
+def _parse_flags(argv):
+    """FLAGS(argv), with every failure caused by the command line turned into a UserError."""
+    try:
+        args = FLAGS(argv)
+    except Exception as e:
+        err = cli_diagnose.diagnose(argv, e)
+        if err is e:
+            raise
+        raise err from e
+    if not isinstance(FLAGS["config"].value, ml_collections.ConfigDict):
+        # config_flags defers a missing config file until the config is first read.
+        cli_diagnose.load_config(cli_diagnose.config_arg(argv) or "")
+    return args
+
+
+def _check_workdir(workdir: str) -> None:
+    if "://" in workdir:
+        return
+    if not workdir.strip():
+        raise UserError("--workdir is empty; pass the folder for checkpoints, metrics and the "
+                        "export, e.g. --workdir=runs/sst2/teacher")
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UserError(f"--workdir={workdir} is a file, not a folder; pass a folder (it is "
+                        "created if missing)")
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise UserError(f"unexpected argument {argv[1]!r}; every option is a flag of the form "
+                        "--name=value (see jax-tinybert --help)")
+    _check_workdir(FLAGS.workdir)
     import logging
 
     from jax_tinybert import sharding
 
     absl_logging.set_verbosity(absl_logging.WARNING)
-    logging.getLogger("jax_tinybert").setLevel(logging.INFO)
+    logging.getLogger("jax_tinybert").setLevel(logging.DEBUG if FLAGS.verbose else logging.INFO)
     sharding.maybe_initialize_distributed(FLAGS.coordinator, FLAGS.num_processes,
                                           FLAGS.process_id, timeout_s=FLAGS.init_timeout,
                                           heartbeat_timeout_s=FLAGS.heartbeat_timeout)
@@ -64,8 +107,35 @@ def main(argv):
         train.train_and_evaluate(config, FLAGS.workdir)
 
 
-def run():
-    app.run(main)
+def _wants_verbose(argv) -> bool:
+    verbose = False
+    for a in argv[1:]:
+        if a in ("--verbose", "-verbose"):
+            verbose = True
+        elif a in ("--noverbose", "-noverbose"):
+            verbose = False
+        elif a.lstrip("-").startswith("verbose="):
+            verbose = a.split("=", 1)[1].lower() in ("1", "true", "yes")
+    return verbose
+
+
+def run(argv=None):
+    """The `jax-tinybert` entry point."""
+    argv = list(sys.argv if argv is None else argv)
+    if any(a in HELP_ARGS for a in argv[1:]):
+        prog = ("python -m jax_tinybert.main" if argv[0].endswith(("main.py", "-m"))
+                else os.path.basename(argv[0]) or "jax-tinybert")
+        sys.stdout.write(cli_help.text(prog))
+        sys.exit(0)
+    try:
+        app.run(main, argv=argv, flags_parser=_parse_flags)
+    except UserError as e:
+        if _wants_verbose(argv):
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.write(f"error: {one_line(e)}\n")
+        sys.stderr.flush()
+        sys.exit(EXIT_USER_ERROR)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_tinybert.errors import UserError
+
 Array = jax.Array
 Dtype = Any
 
@@ -32,7 +34,7 @@ _ACTIVATIONS = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A model config field has a value the model cannot use."""
 
 

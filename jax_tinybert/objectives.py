@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jax_tinybert import layer_maps as lm
 from jax_tinybert import losses as L
+from jax_tinybert.errors import UserError
 
 Array = jax.Array
 
@@ -65,6 +66,10 @@ PROJECTIONS = ("shared", "per_layer", "none")
 PKD_PUBLISHED_BETA = 500.0  # Sun et al. 2019, for the official mean over B*K*D
 
 
+class ObjectiveConfigError(UserError, ValueError):
+    """An objective cfg value that this objective or these models cannot run with."""
+
+
 def _as_dict(cfg: Any) -> dict:
     if cfg is None:
         return {}
@@ -78,20 +83,22 @@ def _resolve_cfg(name: str, cfg: Any) -> dict:
     unknown = sorted(set(cfg) - set(CFG_KEYS))
     if unknown:
         valid = "\n".join(f"  {k}: {v}" for k, v in CFG_KEYS.items())
-        raise ValueError(f"objective '{name}': unknown cfg key(s) {unknown}; valid keys:\n{valid}")
+        raise ObjectiveConfigError(f"objective '{name}': unknown cfg key(s) {unknown}; valid keys:\n{valid}")
     out = dict(DEFAULTS[name])
     out.update({k: v for k, v in cfg.items() if v is not None or k == "layer_weights"})
+    if out["layer_weights"] is not None and len(out["layer_weights"]) == 0:
+        out["layer_weights"] = None   # the config's () = every layer weighted 1
     L.check_mode(out["mode"])
     if out["projection"] not in PROJECTIONS:
-        raise ValueError(f"objective '{name}': cfg projection={out['projection']!r}; expected "
+        raise ObjectiveConfigError(f"objective '{name}': cfg projection={out['projection']!r}; expected "
                          f"one of {PROJECTIONS}")
     if not float(out["temperature"]) > 0:
-        raise ValueError(f"objective '{name}': cfg temperature must be > 0, "
+        raise ObjectiveConfigError(f"objective '{name}': cfg temperature must be > 0, "
                          f"got {out['temperature']!r}")
     if not 0.0 <= float(out["alpha"]) <= 1.0:
-        raise ValueError(f"objective '{name}': cfg alpha must be in [0, 1], got {out['alpha']!r}")
+        raise ObjectiveConfigError(f"objective '{name}': cfg alpha must be in [0, 1], got {out['alpha']!r}")
     if out["regression_target"] not in ("teacher", "gold"):
-        raise ValueError(f"objective '{name}': cfg regression_target must be 'teacher' or 'gold', "
+        raise ObjectiveConfigError(f"objective '{name}': cfg regression_target must be 'teacher' or 'gold', "
                          f"got {out['regression_target']!r}")
     for k in ("temperature", "alpha", "beta", "w_embd", "w_attn", "w_hidn", "w_pred"):
         if out[k] is not None:  # only pkd's beta defaults to None (resolved per mode and shape)
@@ -112,7 +119,7 @@ class Objective:
 
     def __init__(self, name: str, cfg: Any, student_config, teacher_config=None):
         if name not in OBJECTIVES:
-            raise ValueError(f"unknown objective {name!r}; expected one of {OBJECTIVES}")
+            raise ObjectiveConfigError(f"unknown objective {name!r}; expected one of {OBJECTIVES}")
         self.name = name
         self.cfg = _resolve_cfg(name, cfg)
         self.mode = self.cfg["mode"]
@@ -129,17 +136,17 @@ class Objective:
         self.needs_teacher = name != "finetune"
         self.teacher_cacheable = name in ("tinybert_pred", "pkd", "kd")
         if self.needs_teacher and teacher_config is None:
-            raise ValueError(f"objective '{name}' needs teacher_config (the teacher's BertConfig)")
+            raise ObjectiveConfigError(f"objective '{name}' needs teacher_config (the teacher's BertConfig)")
         if name in ("tinybert_pred", "pkd", "kd"):
             if teacher_config.num_labels != student_config.num_labels:
-                raise ValueError(
+                raise ObjectiveConfigError(
                     f"objective '{name}': student num_labels={student_config.num_labels} != "
                     f"teacher num_labels={teacher_config.num_labels}; both heads must predict "
                     "the same labels")
         if name == "tinybert_pred" and self.is_regression and \
                 self.cfg["regression_target"] == "gold":
             if self.mode != "tinybert":
-                raise ValueError("regression_target='gold' reproduces the official STS-B bug "
+                raise ObjectiveConfigError("regression_target='gold' reproduces the official STS-B bug "
                                  "(the prediction stage fits the gold score, not the teacher); "
                                  "it is only offered with mode='tinybert'")
             self.needs_teacher = False
@@ -154,14 +161,15 @@ class Objective:
         spec = self.cfg["layer_map"]
         if hasattr(spec, "to_dict"):
             spec = spec.to_dict()
+        # Parity mode keeps the official code's assertion that N is a multiple of M.
         return lm.from_spec(spec, self.student_config.num_hidden_layers,
-                            self.teacher_config.num_hidden_layers)
+                            self.teacher_config.num_hidden_layers, strict=self.mode == "tinybert")
 
     def _setup_projection(self, layers) -> None:
         ds, dt = self.student_config.hidden_size, self.teacher_config.hidden_size
         if self.cfg["projection"] == "none":
             if layers and ds != dt:
-                raise ValueError(
+                raise ObjectiveConfigError(
                     f"objective '{self.name}': student hidden_size={ds} != teacher hidden_size="
                     f"{dt} and cfg projection='none'; set projection='shared' or 'per_layer'")
             layers = ()
@@ -184,7 +192,7 @@ class Objective:
         if lw is not None:
             lw = tuple(float(x) for x in lw)
             if len(lw) != M + 1:
-                raise ValueError(f"objective '{self.name}': cfg layer_weights needs M + 1 = "
+                raise ObjectiveConfigError(f"objective '{self.name}': cfg layer_weights needs M + 1 = "
                                  f"{M + 1} values (student layers 0..{M}), got {len(lw)}")
         self._layer_weights = lw or (1.0,) * (M + 1)
         self._setup_projection([s for s, _ in self._hidden_pairs])

@@ -62,10 +62,46 @@ def test_from_spec():
     assert lm.from_spec(u, 3, 6) is u
 
 
-@pytest.mark.parametrize("fn", [lm.uniform, lm.pkd_skip])
-def test_non_divisible_raises(fn):
-    with pytest.raises(ValueError, match=r"multiple of student layers \(5\).*\[1, 2, 3, 4, 6, 12\]"):
+@pytest.mark.parametrize("fn", [lambda M, N: lm.uniform(M, N, strict=True), lm.pkd_skip,
+                                lambda M, N: lm.from_spec("uniform", M, N, strict=True)])
+def test_non_divisible_raises_in_strict_mode(fn):
+    with pytest.raises(ValueError, match=r"multiple of student layers \(5\).*\[1, 2, 3, 4, 6, 12\]"
+                       r".*layer_map=0:0,1:2,2:5,3:7,4:10,5:12"):
         fn(5, 12)
+
+
+def test_uniform_non_multiple_rounds_half_up():
+    # g(m) = round(m N / M), halves up: the default 4-layer student under the 6-layer teacher.
+    assert lm.uniform(4, 6).hidden == ((0, 0), (1, 2), (2, 3), (3, 5), (4, 6))
+    assert lm.uniform(4, 6).attention == ((1, 2), (2, 3), (3, 5), (4, 6))
+    assert lm.uniform(5, 12).teacher_hidden_layers == (0, 2, 5, 7, 10, 12)   # 2.4 4.8 7.2 9.6
+    assert lm.uniform(3, 4).teacher_hidden_layers == (0, 1, 3, 4)            # 1.33 2.67
+    with pytest.raises(ValueError, match="deeper"):
+        lm.uniform(6, 4)
+
+
+@pytest.mark.parametrize("N", range(1, 25))
+def test_uniform_rule_properties(N):
+    for M in range(1, N + 1):
+        t = lm.uniform(M, N).teacher_hidden_layers
+        assert t[0] == 0 and t[-1] == N and len(t) == M + 1
+        assert all(a < b for a, b in zip(t, t[1:])), (M, N, t)      # distinct, increasing
+        assert all(abs(g - m * N / M) <= 0.5 for m, g in enumerate(t))
+        if N % M == 0:
+            assert t == tuple(m * (N // M) for m in range(M + 1))   # TinyBERT's k * m
+
+
+def test_compact_pair_syntax():
+    m = lm.from_spec("0:0,1:2,2:3,3:5,4:6", 4, 6)
+    assert m == lm.from_spec("((0,0),(1,2),(2,3),(3,5),(4,6))", 4, 6)
+    assert m.hidden == lm.uniform(4, 6).hidden and m.attention == lm.uniform(4, 6).attention
+    assert lm.from_spec(" 1:3 , 2:6 ", 2, 6).hidden == ((1, 3), (2, 6))
+    assert lm.parse_pairs("0:0,1:12") == ((0, 0), (1, 12))
+    for bad in ("0:0,1", "0:0,a:2", "0-0,1-2", ","):
+        with pytest.raises(lm.LayerMapError, match="pair|no pairs"):
+            lm.from_spec(bad if ":" in bad else bad + ":", 4, 6)
+    with pytest.raises(ValueError, match="teacher layer 7.*0..6"):
+        lm.from_spec("0:0,1:7", 4, 6)
 
 
 def test_bad_maps_raise():

@@ -96,8 +96,12 @@ def test_width_head_and_layer_errors():
     # Without the attention term the head counts may differ.
     obj = O.make_objective("tinybert_intermediate", {"w_attn": 0}, S_CFG, cfg(4, 12, heads=3))
     assert obj.student_attention_layers == () == obj.teacher_attention_layers
+    # Parity mode refuses what the official code asserts; masked mode rounds g(m) = m N / M.
     with pytest.raises(ValueError, match="multiple of student layers"):
-        O.make_objective("tinybert_intermediate", {}, cfg(3, 8), T_CFG)
+        O.make_objective("tinybert_intermediate", {"mode": "tinybert"}, cfg(3, 8), T_CFG)
+    obj = O.make_objective("tinybert_intermediate", {}, cfg(3, 8), T_CFG)
+    assert obj.layer_map.teacher_hidden_layers == tuple(
+        round(m * T_CFG.num_hidden_layers / 3 + 1e-9) for m in range(4))
     with pytest.raises(ValueError, match="layer_weights"):
         O.make_objective("tinybert_intermediate", {"layer_weights": [1, 1]}, S_CFG, T_CFG)
     with pytest.raises(ValueError, match="hidden_size=8 != teacher hidden_size=12"):

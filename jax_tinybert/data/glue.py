@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import difflib
 import logging
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from jax_tinybert.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +24,15 @@ log = logging.getLogger(__name__)
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad input data: the message names the file, the line and what was expected."""
+
+
+class UnknownTaskError(UserError, KeyError):
+    """A task name that is not one of the nine GLUE tasks (or their aliases)."""
+
+    def __str__(self):  # KeyError's str() would quote the message
+        return str(self.args[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +131,12 @@ def get_task(name: Union[str, TaskSpec]) -> TaskSpec:
     key = str(name).strip().lower().replace("_", "-")
     key = _ALIASES.get(key, _ALIASES.get(key.replace("-", ""), key))
     if key not in TASKS:
-        raise KeyError(f"unknown GLUE task {name!r}; valid: {', '.join(d.dir_name for d in TASKS.values())}"
-                       f" (case-insensitive; aliases: {', '.join(sorted(_ALIASES))})")
+        close = difflib.get_close_matches(key, list(TASKS) + list(_ALIASES), n=1, cutoff=0.6)
+        raise UnknownTaskError(
+            f"unknown GLUE task {name!r}"
+            + (f" (did you mean {TASKS[_ALIASES.get(close[0], close[0])].dir_name}?)" if close else "")
+            + f"; valid: {', '.join(d.dir_name for d in TASKS.values())}"
+            f" (case-insensitive; aliases: {', '.join(sorted(_ALIASES))})")
     return TASKS[key]
 
 
@@ -168,6 +182,29 @@ def _parse_label(spec: TaskSpec, raw: str, where: str):
                         ) from None
 
 
+def _tsv_rows(path: str):
+    """(1-based line number, row) per line of a GLUE TSV; row is a list of fields, or a
+    DataError for a line that is not UTF-8 (so `skip_bad_rows` can skip it)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # GLUE's MRPC files have a BOM
+                raw = raw[3:]
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, DataError(
+                    f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                    f"{e.start + 1}); re-save the file as UTF-8, or set "
+                    "--config.data.skip_bad_rows=True to skip such rows")
+                continue
+            # QUOTE_NONE, as the official processors: a line is one row.
+            try:
+                yield lineno, next(csv.reader([text], delimiter="\t", quoting=csv.QUOTE_NONE), [])
+            except csv.Error as e:
+                yield lineno, DataError(f"{path}:{lineno}: {e}; fix the line, or set "
+                                        "--config.data.skip_bad_rows=True to skip such rows")
+
+
 def read_tsv_split(task, split: str, path: str, *, skip_bad_rows: bool = False,
                    with_labels: Optional[bool] = None) -> List[Example]:
     """Reads one GLUE TSV file. Rows are tab-separated with no quoting (csv.QUOTE_NONE, like the
@@ -188,31 +225,30 @@ def read_tsv_split(task, split: str, path: str, *, skip_bad_rows: bool = False,
     ncols = None
     if spec.num_columns:
         ncols = spec.num_columns.get(split, spec.num_columns.get("*"))
-    # utf-8-sig: GLUE's MRPC files start with a BOM.
-    with open(path, "r", encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        for lineno, row in enumerate(reader, start=1):
-            if lineno == 1 and spec.has_header:
-                if ncols is None:
-                    ncols = len(row)
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                if ncols is not None and len(row) != ncols:
-                    raise DataError(f"{where}: expected {ncols} tab-separated columns for "
-                                    f"{spec.dir_name} {split}, got {len(row)}")
-                a = row[spec.text_a_col]
-                b = row[spec.text_b_col] if spec.is_pair else None
-                if not a.strip() or (b is not None and not b.strip()):
-                    raise DataError(f"{where}: empty sentence (column "
-                                    f"{spec.text_a_col if not a.strip() else spec.text_b_col})")
-                label = _parse_label(spec, row[spec.label_col], where) if with_labels else None
-            except DataError as e:
-                if not skip_bad_rows:
-                    raise
-                bad.append(str(e))
-                continue
-            examples.append(Example(f"{split}-{lineno}", a, b, label))
+    for lineno, row in _tsv_rows(path):
+        if lineno == 1 and spec.has_header:
+            if ncols is None and not isinstance(row, DataError):
+                ncols = len(row)
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            if isinstance(row, DataError):
+                raise row
+            if ncols is not None and len(row) != ncols:
+                raise DataError(f"{where}: expected {ncols} tab-separated columns for "
+                                f"{spec.dir_name} {split}, got {len(row)}")
+            a = row[spec.text_a_col]
+            b = row[spec.text_b_col] if spec.is_pair else None
+            if not a.strip() or (b is not None and not b.strip()):
+                raise DataError(f"{where}: empty sentence (column "
+                                f"{spec.text_a_col if not a.strip() else spec.text_b_col})")
+            label = _parse_label(spec, row[spec.label_col], where) if with_labels else None
+        except DataError as e:
+            if not skip_bad_rows:
+                raise
+            bad.append(str(e))
+            continue
+        examples.append(Example(f"{split}-{lineno}", a, b, label))
     if bad:
         log.warning("%s: skipped %d bad rows (first: %s)", path, len(bad), bad[0])
     if not examples:

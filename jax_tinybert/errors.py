@@ -1,0 +1,31 @@
+"""User mistakes vs bugs.
+
+A `UserError` is a mistake in the command line, a config value, a path or the data: its
+message names the problem and the fix ("<problem>; <fix>"). The command line prints it as one
+line `error: <problem>; <fix>` and exits with status 2 (a traceback only with --verbose);
+any other exception is a bug in this program and keeps its traceback.
+
+Subclasses keep the builtin base they always had (ValueError, FileNotFoundError), so library
+code that catches those still works.
+"""
+from __future__ import annotations
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the message says what is wrong and how to fix it."""
+
+
+class PathError(UserError, FileNotFoundError):
+    """A path in the config or on the command line that does not exist or cannot be read."""
+
+
+def one_line(e: BaseException) -> str:
+    """The message of `e` on one line (multi-line messages are joined with '; ')."""
+    msg = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    parts = [p.strip() for p in msg.splitlines() if p.strip()]
+    return "; ".join(parts) if parts else type(e).__name__
+
+
+__all__ = ["UserError", "PathError", "EXIT_USER_ERROR", "one_line"]
