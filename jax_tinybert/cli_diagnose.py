@@ -8,7 +8,6 @@ the field expects. Anything it cannot explain is returned unchanged (a bug keeps
 """
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import re
@@ -17,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import ml_collections
 from absl import flags
 
-from jax_tinybert import cli_help
+from jax_tinybert import cli_help, config_check
 from jax_tinybert.errors import PathError, UserError, one_line
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
@@ -78,43 +77,10 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
 def _leaves(cfg, prefix: str = "") -> Dict[str, Any]:
     out = {}
     for k, v in cfg.items():
+        out[f"{prefix}{k}"] = v
         if isinstance(v, ml_collections.ConfigDict):
-            out[f"{prefix}{k}"] = v
             out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
     return out
-
-
-def unknown_field(config: ml_collections.ConfigDict, path: str) -> Optional[str]:
-    """None if `path` names a field of config; else the message for it (close matches)."""
-    fields = _leaves(config)
-    if path in fields:
-        return None
-    parent, _, leaf = path.rpartition(".")
-    sections = [k for k, v in config.items() if isinstance(v, ml_collections.ConfigDict)]
-    if parent in fields and isinstance(fields[parent], ml_collections.ConfigDict):
-        # Same section first (by the field's name), then the same name in another section.
-        own = list(fields[parent].keys())
-        close = [f"{parent}.{k}" for k in difflib.get_close_matches(leaf, own, n=2, cutoff=0.7)]
-        close += [p for p in fields if p.rpartition(".")[2] == leaf and p not in close]
-        if not close:
-            close = [p for p in fields if "." in p and p.rpartition(".")[2] in
-                     difflib.get_close_matches(leaf, [q.rpartition(".")[2] for q in fields],
-                                               n=1, cutoff=0.85)]
-        where = f"config.{parent} has: {', '.join(own)}"
-    else:
-        close = [p for p in fields if p.rpartition(".")[2] == leaf and
-                 p.rpartition(".")[0] in difflib.get_close_matches(parent, sections, n=1,
-                                                                     cutoff=0.6)]
-        close += [p for p in fields if p.rpartition(".")[2] == leaf and p not in close]
-        where = f"the sections are: {', '.join(sections)}"
-    msg = f"unknown field config.{path}; "
-    if close:
-        msg += "did you mean " + " or ".join(f"config.{c}" for c in close[:2]) + "?"
-    else:
-        msg += where
-    return msg + " (every field: jax-tinybert --help)"
 
 
 def _field_type_hint(config, path: str) -> str:
@@ -136,7 +102,7 @@ def diagnose(argv: List[str], exc: BaseException) -> BaseException:
         except UserError as e:
             return e
         for arg, path in override_args(argv):
-            msg = unknown_field(config, path)
+            msg = config_check.unknown_field(config, path)
             if msg:
                 return UserError(f"{arg}: {msg}")
     if isinstance(exc, UserError):
@@ -163,4 +129,4 @@ def diagnose(argv: List[str], exc: BaseException) -> BaseException:
     return exc
 
 
-__all__ = ["diagnose", "load_config", "unknown_field", "config_arg", "override_args"]
+__all__ = ["diagnose", "load_config", "config_arg", "override_args"]

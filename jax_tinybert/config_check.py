@@ -1,23 +1,37 @@
-"""Config checks before a run starts: known keys and values, the config fingerprint, and the
-workdir rule (a workdir holds runs of one config only)."""
+"""Config checks before a run starts: known fields and values in range, the config
+fingerprint, and the workdir rule (a workdir that holds a run's checkpoints accepts only that
+run's config, up to fields that do not change the result)."""
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import logging
+import math
 import os
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import ml_collections
+import numpy as np
 
-from jax_tinybert import config_base, objectives
+from jax_tinybert import config_base, layer_maps, objectives
 from jax_tinybert.data import glue
 from jax_tinybert.errors import UserError
 
-# Fields that may change between a run and its resumption (they do not change the result).
-RESUMABLE_CHANGES = {"train.log_every", "train.eval_every", "train.checkpoint_every",
-                     "train.num_steps", "train.num_epochs", "train.max_to_keep",
-                     "export.enabled", "data.cache_dir"}
+# Fields that do not change the trained model: a run may resume with other values.
+NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
+                    "train.max_to_keep", "train.eval_batch_size", "export.enabled",
+                    "data.cache_dir"}
+# Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may
+# change them (to extend a run), with a warning naming the schedule change.
+SCHEDULE_FIELDS = ("train.num_steps", "train.num_epochs")
+RESUMABLE_CHANGES = NO_RESULT_CHANGE | set(SCHEDULE_FIELDS)   # kept for callers of the old name
+PATH_FIELDS = ("teacher.path", "student.path", "data.glue_dir", "data.train_file", "data.corpus")
+DTYPES = ("float32", "bfloat16", "float16")
+CONFIG_RECORD = "config.json"
+
+log = logging.getLogger(__name__)
 
 
 class ConfigValueError(UserError, ValueError):
@@ -35,58 +49,312 @@ def _flat(cfg, prefix="") -> Dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- field names
+
+def unknown_field(config: ml_collections.ConfigDict, path: str) -> Optional[str]:
+    """None if `path` ("train.batch_size") names a field of config; else a message naming
+    the closest fields (same section first, then the same name in another section)."""
+    fields = {}
+    for k, v in _flat(config).items():
+        fields[k] = v
+    sections = [k for k, v in config.items() if isinstance(v, ml_collections.ConfigDict)]
+    if path in fields or path in sections:
+        return None
+    parent, _, leaf = path.rpartition(".")
+    if parent in sections:
+        own = list(config[parent].keys())
+        close = [f"{parent}.{k}" for k in difflib.get_close_matches(leaf, own, n=2, cutoff=0.7)]
+        close += [p for p in fields if p.rpartition(".")[2] == leaf and p not in close]
+        if not close:
+            near = difflib.get_close_matches(leaf, [q.rpartition(".")[2] for q in fields], n=1,
+                                             cutoff=0.85)
+            close = [p for p in fields if "." in p and p.rpartition(".")[2] in near]
+        where = f"config.{parent} has: {', '.join(own)}"
+    else:
+        near = difflib.get_close_matches(parent, sections, n=1, cutoff=0.6)
+        close = [p for p in fields if p.rpartition(".")[2] == leaf and
+                 p.rpartition(".")[0] in near]
+        close += [p for p in fields if p.rpartition(".")[2] == leaf and p not in close]
+        where = f"the sections are: {', '.join(sections)}"
+    msg = f"unknown field config.{path}; "
+    msg += ("did you mean " + " or ".join(f"config.{c}" for c in close[:2]) + "?") if close \
+        else where
+    return msg + " (every field: jax-tinybert --help)"
+
+
+# --------------------------------------------------------------------------- values
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (_is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(float(v))
+
+
+# field -> (requirement, test, why). Integers where the default is an int, finite numbers else.
+_POS = ("> 0", lambda v: v > 0)
+_NONNEG = (">= 0", lambda v: v >= 0)
+_GE1 = (">= 1", lambda v: v >= 1)
+_UNIT_OPEN = ("in [0, 1)", lambda v: 0 <= v < 1)
+_UNIT = ("in [0, 1]", lambda v: 0 <= v <= 1)
+NUMERIC_RULES = {
+    "optim.learning_rate": (_POS, "a negative rate trains by gradient ascent"),
+    "optim.warmup_ratio": (_UNIT_OPEN, "the fraction of the steps spent warming up"),
+    "optim.weight_decay": (_NONNEG, ""),
+    "optim.b1": (_UNIT_OPEN, "Adam's first-moment decay"),
+    "optim.b2": (_UNIT_OPEN, "Adam's second-moment decay"),
+    "optim.eps": (_POS, "Adam's denominator epsilon"),
+    "optim.clip_norm": (_NONNEG, "0 = no clipping"),
+    "optim.grad_clip_per_tensor": (_NONNEG, "0 = no clipping"),
+    "train.batch_size": (_GE1, ""),
+    "train.grad_accum": (_GE1, ""),
+    "train.eval_batch_size": (_GE1, ""),
+    "train.num_steps": (_NONNEG, "0 = train for config.train.num_epochs epochs"),
+    "train.num_epochs": (_POS, ""),
+    "train.log_every": (_GE1, "steps between log lines"),
+    "train.checkpoint_every": (_GE1, "steps between checkpoints"),
+    "train.eval_every": (_NONNEG, "0 = at the end of each epoch"),
+    "train.max_to_keep": (_GE1, "periodic checkpoints kept"),
+    "train.seed": (_NONNEG, ""),
+    "objective.temperature": (_POS, "the softmax temperature of the soft labels"),
+    "objective.alpha": (_UNIT, "the weight of the KD term; the hard-label term gets 1 - alpha"),
+    "objective.beta": (_NONNEG, "the weight of the patience term"),
+    "objective.w_embd": (_NONNEG, ""),
+    "objective.w_attn": (_NONNEG, ""),
+    "objective.w_hidn": (_NONNEG, ""),
+    "objective.w_pred": (_NONNEG, ""),
+    "data.max_len": (("in [4, 8192]", lambda v: 4 <= v <= 8192), "tokens per example, with "
+                     "[CLS] and [SEP]"),
+    "data.seq_len": (("in [4, 8192]", lambda v: 4 <= v <= 8192), "tokens per corpus sequence"),
+    "data.train_subset": (_NONNEG, "0 = all"),
+    "data.eval_subset": (_NONNEG, "0 = all"),
+    "data.synthetic_train": (_GE1, ""),
+    "data.synthetic_eval": (_GE1, ""),
+    "student.num_hidden_layers": (_GE1, ""),
+    "student.hidden_size": (_GE1, ""),
+    "student.intermediate_size": (_GE1, ""),
+    "student.num_attention_heads": (_GE1, ""),
+    "mesh.data": (("-1 (all devices) or >= 1", lambda v: v == -1 or v >= 1), ""),
+    "mesh.fsdp": (_GE1, ""),
+    "mesh.model": (_GE1, ""),
+    "mesh.fsdp_min_size": (_NONNEG, ""),
+}
+
+
+def _choices() -> Dict[str, Tuple[str, ...]]:
+    from jax_tinybert import losses, optim
+
+    return {
+        "stage": config_base.STAGES, "objective.name": objectives.OBJECTIVES,
+        "objective.mode": losses.MODES, "objective.projection": objectives.PROJECTIONS,
+        "objective.regression_target": ("teacher", "gold"),
+        "student.init": config_base.STUDENT_INITS, "data.kind": config_base.DATA_KINDS,
+        "data.source": ("tsv", "hf", "tfds"), "data.corpus_mode": ("sentences", "documents"),
+        "optim.name": optim.OPTIMIZERS, "optim.schedule": optim.SCHEDULES,
+        "teacher.dtype": DTYPES, "student.dtype": DTYPES,
+    }
+
+
+def _bad(field: str, value, requirement: str, why: str = "", example=None) -> ConfigValueError:
+    default = _flat(config_base.base_config()).get(field) if example is None else example
+    fix = f"pass e.g. --config.{field}={_cli(default)}" if default is not None else \
+        f"fix config.{field}"
+    return ConfigValueError(f"config.{field}={value!r} {requirement}"
+                            + (f" ({why})" if why else "") + f"; {fix}")
+
+
+def _cli(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return "'(" + ", ".join(str(x) for x in v) + ("," if len(v) == 1 else "") + ")'"
+    return str(v)
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Stops before training on unknown keys or values, with the field and the choices."""
-    known = _flat(config_base.base_config())
-    unknown = sorted(set(_flat(config)) - set(known) - {
-        k for k in _flat(config) if k.startswith("objective.")})
-    if unknown:
-        raise ConfigValueError(f"unknown config keys {unknown}; see jax_tinybert/config_base.py "
-                               "for every field")
-    def choice(field, value, options):
-        if value not in options:
-            raise ConfigValueError(f"config.{field}={value!r} is not valid; expected one of "
-                                   f"{tuple(options)}")
-    choice("stage", config.stage, config_base.STAGES)
-    choice("objective.name", config.objective.name, objectives.OBJECTIVES)
-    choice("student.init", config.student.init, config_base.STUDENT_INITS)
-    choice("data.kind", config.data.kind, config_base.DATA_KINDS)
+    """Stops before anything is written on an unknown field or a value out of its range,
+    naming the field, what it must be and a value that works (ConfigValueError)."""
+    base = config_base.base_config()
+    flat = _flat(config)
+    extra = {k for k in flat if config.stage == "demo" and k.startswith("demo_")}
+    for key in sorted(set(flat) - set(_flat(base)) - extra):
+        raise ConfigValueError(unknown_field(base, key))
+    defaults = _flat(base)
+    for field, options in _choices().items():
+        if flat.get(field) not in options:
+            raise _bad(field, flat.get(field), f"is not valid; expected one of {tuple(options)}")
+    for field, ((req, test), why) in NUMERIC_RULES.items():
+        v = flat[field]
+        if _is_int(defaults[field]) and not _is_int(v):
+            raise _bad(field, v, "must be an integer " + req, why)
+        if not _is_num(v):
+            raise _bad(field, v, "must be a finite number " + req, why)
+        if not test(v):
+            raise _bad(field, v, "must be " + req, why)
+    for field, d in defaults.items():
+        if isinstance(d, bool) and not isinstance(flat[field], (bool, np.bool_)):
+            raise _bad(field, flat[field], "must be True or False")
+    _check_sequences(config)
     if config.data.kind != "corpus":
         try:
             glue.get_task(config.data.task)
-        except Exception as e:
+        except KeyError as e:
             raise ConfigValueError(f"config.data.task: {e}") from e
     if config.data.kind == "corpus" and config.objective.name != "tinybert_intermediate":
         raise ConfigValueError(f"config.data.kind='corpus' has no labels; objective "
                                f"{config.objective.name!r} needs labelled task data "
                                "(use tinybert_intermediate for general distillation)")
-    if config.train.batch_size <= 0 or config.train.grad_accum <= 0:
-        raise ConfigValueError("config.train.batch_size and config.train.grad_accum must be > 0")
+    sc = config.student
+    if sc.init == "random" and sc.hidden_size % sc.num_attention_heads:
+        raise ConfigValueError(
+            f"config.student.hidden_size={sc.hidden_size} is not a multiple of "
+            f"config.student.num_attention_heads={sc.num_attention_heads}; pick sizes with "
+            "hidden_size = heads x head size, e.g. 312 and 12")
+
+
+def _check_sequences(config) -> None:
+    b = tuple(config.data.buckets)
+    if not b or not all(_is_int(x) and x >= 1 for x in b):
+        raise _bad("data.buckets", b, "must be a non-empty tuple of positive integers",
+                   "sequence lengths to pad to; longer examples use data.max_len")
+    tl = tuple(config.student.teacher_layers)
+    if not all(_is_int(x) and x >= 1 for x in tl) or \
+            (config.student.init == "teacher_layers" and not tl):
+        raise _bad("student.teacher_layers", tl, "must be 1-based teacher layer numbers",
+                   "the teacher layers the student starts from", example=(1, 2, 3))
+    lw = tuple(config.objective.layer_weights)
+    if not all(_is_num(x) and x >= 0 for x in lw):
+        raise _bad("objective.layer_weights", lw, "must be numbers >= 0",
+                   "lambda_m per student layer 0..M; () = all 1", example=())
+    spec = config.objective.layer_map
+    if isinstance(spec, str) and ":" in spec and spec.strip()[:1] not in "([{":
+        layer_maps.parse_pairs(spec)   # syntax only: the layer counts are checked with the models
+    elif isinstance(spec, str) and spec.strip()[:1] not in "([{" and spec not in layer_maps.NAMES:
+        raise _bad("objective.layer_map", spec, f"is not a known map; expected one of "
+                   f"{layer_maps.NAMES} or student:teacher pairs such as 0:0,1:2,2:3,3:5,4:6")
+
+
+def check_positions(config, max_position_embeddings: int) -> None:
+    """Examples must fit the models' position table (else position ids index past it)."""
+    n = config.data.seq_len if config.data.kind == "corpus" else config.data.max_len
+    field = "data.seq_len" if config.data.kind == "corpus" else "data.max_len"
+    if n > max_position_embeddings:
+        raise _bad(field, n, f"is longer than the models' max_position_embeddings "
+                   f"({max_position_embeddings})", example=min(max_position_embeddings, 512))
+
+
+# --------------------------------------------------------------------------- workdir ownership
+
+def _real(p: str) -> str:
+    return os.path.realpath(os.path.expanduser(p)) if p and "://" not in p else p
+
+
+def resolved_fields(config) -> Dict[str, Any]:
+    """The fields that decide the trained model, with paths resolved to the folders they name
+    (relative paths, $GLUE_DIR and symlinks give the same value for the same data) and the
+    fields that the data kind does not read left out."""
+    flat = _flat(config)
+    out = {k: v for k, v in flat.items()
+           if k not in NO_RESULT_CHANGE and k not in SCHEDULE_FIELDS}
+    kind = flat.get("data.kind")
+    if kind == "glue":
+        out["data.glue_dir"] = _real(flat.get("data.glue_dir") or os.environ.get("GLUE_DIR", ""))
+    else:
+        for k in ("data.glue_dir", "data.train_file", "data.source", "data.skip_bad_rows"):
+            out.pop(k, None)
+    if kind != "corpus":
+        for k in ("data.corpus", "data.corpus_mode", "data.seq_len"):
+            out.pop(k, None)
+    else:
+        out["data.corpus"] = ",".join(_real(p) for p in str(flat["data.corpus"]).split(",") if p)
+        out.pop("data.task", None)
+    if kind != "synthetic":
+        for k in ("data.synthetic_train", "data.synthetic_eval"):
+            out.pop(k, None)
+    for k in ("teacher.path", "student.path", "data.train_file"):
+        v = out.get(k)
+        if v and v != config_base.PACKAGED_TEACHER and os.path.exists(os.path.expanduser(v)):
+            out[k] = _real(v)
+    return out
 
 
 def config_fingerprint(config) -> Tuple[str, Dict[str, Any]]:
-    flat = {k: v for k, v in _flat(config).items() if k not in RESUMABLE_CHANGES}
+    """(16-hex-digit hash, fields) of what decides the trained model (`resolved_fields`)."""
+    flat = resolved_fields(config)
     blob = json.dumps(flat, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16], flat
 
 
+def owned_by_a_run(workdir: str) -> bool:
+    """A workdir is owned once a run in it has saved a checkpoint (or finished)."""
+    for sub in ("checkpoints", "best"):
+        d = os.path.join(workdir, sub)
+        if os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d)):
+            return True
+    return os.path.exists(os.path.join(workdir, "summary.json"))
+
+
+def _latest_step(workdir: str) -> Optional[int]:
+    d = os.path.join(workdir, "checkpoints")
+    steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
+    return max(steps) if steps else None
+
+
+def _show(v) -> str:
+    return json.dumps(v, default=str)
+
+
+def _schedule_warning(config, old_flat: Dict[str, Any], workdir: str) -> Optional[str]:
+    changed = [(k, old_flat[k], _flat(config)[k]) for k in SCHEDULE_FIELDS
+               if k in old_flat and _show(old_flat[k]) != _show(_flat(config)[k])]
+    if not changed:
+        return None
+    what = ", ".join(f"{k.split('.')[1]} {_show(a)} -> {_show(b)}" for k, a, b in changed)
+    last = _latest_step(workdir)
+    at = f"step {last + 1}" if last is not None else "the next step"
+    if config.optim.schedule == "constant":
+        return (f"{what}: extends the run from {at} on; the learning rate is constant, so the "
+                "steps already run are unchanged")
+    back = " ".join(f"--config.{k}={_show(a)}" for k, a, _ in changed)
+    return (f"{what} changes the learning-rate schedule ({config.optim.schedule}, warmup_ratio "
+            f"{config.optim.warmup_ratio}) from {at} on: the steps already run followed the old "
+            f"schedule, so this run will not equal an unbroken run of the new length; to keep "
+            f"the old schedule, rerun with {back}")
+
+
 def check_workdir(config, workdir: str) -> None:
-    """A workdir holding a run of a different config stops the program (names the fields)."""
-    fp, flat = config_fingerprint(config)
-    path = os.path.join(workdir, "config.json")
-    if os.path.exists(path):
+    """The workdir rule: a workdir owned by a run (one that saved a checkpoint) accepts only
+    the same config, up to fields that do not change the result (NO_RESULT_CHANGE, paths
+    resolving to the same data); num_steps / num_epochs may change with a warning naming the
+    schedule change. A workdir where no run saved a checkpoint (e.g. a start that failed on
+    missing data) is free. Records the config in workdir/config.json (process 0)."""
+    fp, resolved = config_fingerprint(config)
+    path = os.path.join(workdir, CONFIG_RECORD)
+    if os.path.exists(path) and owned_by_a_run(workdir):
         with open(path) as fh:
             old = json.load(fh)
+        old_resolved = old.get("resolved") or {
+            k: v for k, v in old.get("config", {}).items() if k not in RESUMABLE_CHANGES}
         if old.get("fingerprint") != fp:
-            old_flat = old.get("config", {})
-            diff = sorted(k for k in set(flat) | set(old_flat)
-                          if json.dumps(flat.get(k), default=str) != json.dumps(old_flat.get(k), default=str))
-            raise ConfigValueError(
-                f"workdir {workdir} holds a run of a different config (fields differ: "
-                f"{', '.join(diff[:10])}); use a new --workdir, or delete {path} to start over")
-    elif jax.process_index() == 0:
+            defaults = resolved_fields(config_base.base_config())
+            diff = sorted(
+                k for k in set(resolved) | set(old_resolved)
+                if _show(resolved.get(k, defaults.get(k))) !=
+                _show(old_resolved.get(k, defaults.get(k))))
+            if diff:
+                shown = "; ".join(f"{k}: {_show(old_resolved.get(k, defaults.get(k)))} -> "
+                                  f"{_show(resolved.get(k, defaults.get(k)))}" for k in diff[:6])
+                raise ConfigValueError(
+                    f"workdir {workdir} holds a run of a different config ({shown}"
+                    + (f"; {len(diff) - 6} more" if len(diff) > 6 else "") + "); rerun with the "
+                    f"run's values (recorded in {path}), use a new --workdir, or delete {workdir} "
+                    "to start over")
+        warning = _schedule_warning(config, old.get("config", {}), workdir)
+        if warning and jax.process_index() == 0:
+            log.warning("%s", warning)
+    if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
-        tmp = path + ".tmp"
+        tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as fh:
-            json.dump({"fingerprint": fp, "config": flat}, fh, indent=1, default=str)
+            json.dump({"version": 2, "fingerprint": fp, "config": _flat(config),
+                       "resolved": resolved}, fh, indent=1, default=str)
         os.replace(tmp, path)

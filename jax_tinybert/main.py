@@ -30,7 +30,7 @@ import ml_collections  # noqa: E402
 from absl import app, flags, logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from jax_tinybert import cli_diagnose, cli_help  # noqa: E402
+from jax_tinybert import cli_diagnose, cli_help, config_check  # noqa: E402
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -97,6 +97,8 @@ def main(argv):
         absl_logging.set_verbosity(absl_logging.ERROR)
         logging.getLogger("jax_tinybert").setLevel(logging.WARNING)
     config = FLAGS.config
+    # Every field's range, before anything is written (the demo's stages check again).
+    config_check.validate_config(config)
     if config.stage == "demo":
         from jax_tinybert import pipeline
 

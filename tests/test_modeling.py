@@ -228,8 +228,20 @@ def test_folder_without_weights(teacher_dir, tmp_path):
 
 def test_offline_hub_name_explains(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FileNotFoundError, match="Pass a local folder"):
+    with pytest.raises(FileNotFoundError, match="not downloadable from the Hugging Face hub.*; "
+                       "pass a folder holding config.json"):
         jtb.load_pretrained("bert-base-uncased")
+    # A path (more than one '/', or starting with . / ~) is never looked up on the hub.
+    with pytest.raises(FileNotFoundError, match=r"'runs/x/export': no such folder \(relative to"):
+        jtb.load_pretrained("runs/x/export")
+
+
+def test_truncated_weights_name_the_file(teacher_dir, tmp_path):
+    d = _copy_teacher(teacher_dir, tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(WeightsError, match=f"{f}: cannot read the weights.*truncated or damaged"):
+        jtb.load_pretrained(str(d))
 
 
 def test_pytorch_bin_and_msgpack_and_old_names(teacher_dir, teacher, tmp_path):

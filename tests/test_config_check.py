@@ -1,0 +1,144 @@
+"""Config values out of range are refused before anything is written; the workdir rule
+(only a run that saved a checkpoint owns its workdir; fields that do not change the result
+may change; num_steps / num_epochs changes name the schedule change)."""
+import json
+import logging
+import os
+import pathlib
+
+import pytest
+
+from jax_tinybert import config_base, config_check as cc
+from jax_tinybert.errors import UserError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _set(c, field, value):
+    sec, _, name = field.rpartition(".")
+    with c.ignore_type():
+        (c[sec] if sec else c)[name] = value
+    return c
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("optim.learning_rate", -3e-5, r"must be > 0 \(a negative rate trains by gradient ascent\)"),
+    ("optim.learning_rate", float("nan"), "must be a finite number > 0"),
+    ("train.num_steps", -1, r"must be >= 0 \(0 = train for config.train.num_epochs epochs\)"),
+    ("train.num_epochs", 0.0, "must be > 0"),
+    ("optim.warmup_ratio", 1.0, r"must be in \[0, 1\)"),
+    ("optim.warmup_ratio", -0.1, r"must be in \[0, 1\)"),
+    ("objective.temperature", 0.0, "must be > 0"),
+    ("objective.alpha", 1.5, r"must be in \[0, 1\]"),
+    ("objective.beta", -1.0, "must be >= 0"),
+    ("objective.w_attn", -1.0, "must be >= 0"),
+    ("train.batch_size", 0, "must be >= 1"),
+    ("train.batch_size", 2.5, "must be an integer >= 1"),
+    ("train.grad_accum", 0, "must be >= 1"),
+    ("train.eval_batch_size", -8, "must be >= 1"),
+    ("train.log_every", 0, "must be >= 1"),
+    ("train.checkpoint_every", 0, "must be >= 1"),
+    ("train.eval_every", -1, "must be >= 0"),
+    ("train.max_to_keep", 0, "must be >= 1"),
+    ("data.max_len", 2, r"must be in \[4, 8192\]"),
+    ("data.buckets", (0, 64), "must be a non-empty tuple of positive integers"),
+    ("data.buckets", (), "must be a non-empty tuple of positive integers"),
+    ("optim.weight_decay", -0.01, "must be >= 0"),
+    ("optim.b1", 1.0, r"must be in \[0, 1\)"),
+    ("optim.b2", 1.2, r"must be in \[0, 1\)"),
+    ("optim.eps", 0.0, "must be > 0"),
+    ("optim.clip_norm", -1.0, "must be >= 0"),
+    ("student.dropout", "yes", "must be True or False"),
+    ("student.num_hidden_layers", 0, "must be >= 1"),
+    ("student.hidden_size", 100, "not a multiple of config.student.num_attention_heads=12"),
+    ("objective.mode", "strict", "is not valid; expected one of"),
+    ("optim.schedule", "cosine", "is not valid; expected one of"),
+    ("objective.layer_map", "diagonal", "is not a known map"),
+    ("objective.layer_map", "0:0,1", "not a student:teacher pair"),
+    ("objective.layer_weights", (1.0, -1.0), "must be numbers >= 0"),
+    ("mesh.data", 0, r"must be -1 \(all devices\) or >= 1"),
+])
+def test_bad_values_are_refused_with_field_and_fix(field, value, want):
+    c = _set(config_base.base_config(), field, value)
+    with pytest.raises(UserError, match=want) as e:
+        cc.validate_config(c)
+    assert f"config.{field}" in str(e.value) or "layer_map" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_every_shipped_config_is_valid():
+    import importlib.util
+
+    for name, variant in [("finetune_teacher", "mrpc"), ("task_distill", "sst2_pred"),
+                          ("task_distill", "stsb_intermediate"), ("pkd", "sst2_last"),
+                          ("general_distill", "tinybert4"), ("demo", "")]:
+        spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        cc.validate_config(mod.get_config(variant))
+
+
+def test_unknown_fields_name_close_matches():
+    base = config_base.base_config()
+    assert "did you mean config.train.batch_size" in cc.unknown_field(base, "train.batch_sise")
+    assert "did you mean config.optim.learning_rate" in cc.unknown_field(base, "train.learning_rate")
+    assert "config.train has: batch_size" in cc.unknown_field(base, "train.foo")
+    assert "config.objective has:" in cc.unknown_field(base, "objective.foo")
+    assert cc.unknown_field(base, "objective.w_attn") is None
+
+
+def _cfg(tmp_path):
+    c = config_base.base_config()
+    c.data.glue_dir = str(tmp_path / "glue")
+    return c
+
+
+def test_a_failed_start_does_not_own_the_workdir(tmp_path):
+    w = tmp_path / "w"
+    c = _cfg(tmp_path)
+    cc.check_workdir(c, str(w))
+    assert json.loads((w / "config.json").read_text())["config"]["data.glue_dir"] == c.data.glue_dir
+    c.data.glue_dir = str(tmp_path / "other")        # the corrected rerun
+    cc.check_workdir(c, str(w))
+    assert json.loads((w / "config.json").read_text())["config"]["data.glue_dir"] == c.data.glue_dir
+
+
+def test_owned_workdir_accepts_same_data_by_another_path(tmp_path, monkeypatch):
+    (tmp_path / "glue").mkdir()
+    w = tmp_path / "w"
+    c = _cfg(tmp_path)
+    cc.check_workdir(c, str(w))
+    (w / "summary.json").write_text("{}")            # a finished run owns the workdir
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GLUE_DIR", str(tmp_path / "glue"))
+    c.data.glue_dir = ""                             # $GLUE_DIR: the same folder
+    cc.check_workdir(c, str(w))
+    c.data.glue_dir = "glue/../glue"                 # relative: the same folder
+    c.train.log_every, c.train.eval_every, c.data.cache_dir = 7, 3, str(tmp_path / "c")
+    c.train.checkpoint_every, c.export.enabled = 11, False
+    cc.check_workdir(c, str(w))
+    c.train.seed = 5
+    with pytest.raises(cc.ConfigValueError, match=r"different config \(train.seed: 0 -> 5\); "
+                       r"rerun with the run's values"):
+        cc.check_workdir(c, str(w))
+
+
+def test_schedule_change_on_resume_is_named(tmp_path, caplog):
+    w = tmp_path / "w"
+    c = _cfg(tmp_path)
+    c.train.num_steps = 160
+    cc.check_workdir(c, str(w))
+    (w / "checkpoints" / "120").mkdir(parents=True)
+    c.train.num_steps = 200
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.config_check"):
+        cc.check_workdir(c, str(w))
+    assert "num_steps 160 -> 200 changes the learning-rate schedule (warmup_linear, " \
+           "warmup_ratio 0.1) from step 121 on" in caplog.text
+    assert "--config.train.num_steps=160" in caplog.text
+    caplog.clear()
+    c.optim.schedule = "constant"
+    c.optim.warmup_ratio = 0.0
+    c.train.num_steps = 300
+    with pytest.raises(cc.ConfigValueError, match="optim.schedule"):
+        cc.check_workdir(c, str(w))                  # the schedule itself is part of the result
+    assert os.path.exists(w / "config.json")
