@@ -182,7 +182,7 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
     eval_ds = load(eval_split)
     train_ds = _subset(train_ds, dc.train_subset, seed)
     eval_ds = _subset(eval_ds, dc.eval_subset, seed + 1)
-    buckets = [b for b in dc.buckets if b < dc.max_len] + [dc.max_len]
+    buckets = batching.resolve_buckets(dc.buckets, dc.max_len, train_ds.lengths, dc.max_buckets)
     train = batching.BucketedBatcher(train_ds, gb, buckets, train=True, seed=seed)
     ev = batching.BucketedBatcher(eval_ds, config.train.eval_batch_size, buckets, train=False)
     id2label = None if spec.labels is None else dict(enumerate(spec.labels))

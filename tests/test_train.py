@@ -38,7 +38,7 @@ def sst2_runs(tmp_path_factory, glue_dir):
     """Fine-tune the MiniLM teacher on an SST-2 subset, then task-distil a small random student
     (intermediate layers, then prediction layer from the cached teacher)."""
     root = tmp_path_factory.mktemp("sst2")
-    common = dict(glue_dir=str(glue_dir), train_subset=8000, max_len=64)
+    common = dict(glue_dir=str(glue_dir), train_subset=8000, max_len=64, buckets=(32, 64))
 
     t = _cfg("finetune_teacher.py", "sst2")
     t.data.update(common)
@@ -199,3 +199,16 @@ def test_batch_not_divisible_by_data_axis(tmp_path):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert "config.train.batch_size=12" in r.stderr and "data-parallel size 8" in r.stderr, r.stderr[-2000:]
+
+
+def test_task_configs_choose_buckets_from_the_data(tmp_path, glue_dir, teacher_dir):
+    from jax_tinybert.data import batching
+
+    c = _cfg("task_distill.py", "sst2_pred")
+    assert tuple(c.data.buckets) == ()
+    c.data.glue_dir, c.data.train_subset = str(glue_dir), 3000
+    d = train.build_data(c, str(tmp_path), teacher_dir)
+    want = batching.choose_buckets(d.train_dataset.lengths, 64, c.data.max_buckets)
+    assert d.train.buckets == want == d.eval.buckets and want[-1] == 64 and len(want) > 2
+    c.data.buckets = (32,)  # explicit buckets are used as given (+ max_len)
+    assert train.build_data(c, str(tmp_path), teacher_dir).train.buckets == (32, 64)

