@@ -127,6 +127,7 @@ NUMERIC_RULES = {
     "data.max_len": (("in [4, 8192]", lambda v: 4 <= v <= 8192), "tokens per example, with "
                      "[CLS] and [SEP]"),
     "data.seq_len": (("in [4, 8192]", lambda v: 4 <= v <= 8192), "tokens per corpus sequence"),
+    "data.max_buckets": (_GE1, "bucket budget when data.buckets=() (chosen from the data)"),
     "data.train_subset": (_NONNEG, "0 = all"),
     "data.eval_subset": (_NONNEG, "0 = all"),
     "data.synthetic_train": (_GE1, ""),
@@ -213,9 +214,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 def _check_sequences(config) -> None:
     b = tuple(config.data.buckets)
-    if not b or not all(_is_int(x) and x >= 1 for x in b):
-        raise _bad("data.buckets", b, "must be a non-empty tuple of positive integers",
-                   "sequence lengths to pad to; longer examples use data.max_len")
+    if not all(_is_int(x) and x >= 1 for x in b):
+        raise _bad("data.buckets", b, "must be a tuple of positive integers",
+                   "sequence lengths to pad to; longer examples use data.max_len; () = chosen "
+                   "from the data's lengths (at most data.max_buckets)")
     tl = tuple(config.student.teacher_layers)
     if not all(_is_int(x) and x >= 1 for x in tl) or \
             (config.student.init == "teacher_layers" and not tl):
