@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_tinybert import config_base, layer_maps, objectives
 from jax_tinybert.data import glue
-from jax_tinybert.errors import UserError
+from jax_tinybert.errors import PathError, UserError
 
 # Fields that do not change the trained model: a run may resume with other values.
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
@@ -171,9 +171,10 @@ def _cli(v) -> str:
     return str(v)
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
+def validate_config(config: ml_collections.ConfigDict, paths: bool = True) -> None:
     """Stops before anything is written on an unknown field or a value out of its range,
-    naming the field, what it must be and a value that works (ConfigValueError)."""
+    naming the field, what it must be and a value that works (ConfigValueError); with
+    paths=True also on a path that does not hold what the stage reads (`check_paths`)."""
     base = config_base.base_config()
     flat = _flat(config)
     extra = {k for k in flat if config.stage == "demo" and k.startswith("demo_")}
@@ -210,6 +211,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"config.student.hidden_size={sc.hidden_size} is not a multiple of "
             f"config.student.num_attention_heads={sc.num_attention_heads}; pick sizes with "
             "hidden_size = heads x head size, e.g. 312 and 12")
+    if paths:
+        check_paths(config)
 
 
 def _check_sequences(config) -> None:
@@ -235,13 +238,141 @@ def _check_sequences(config) -> None:
                    f"{layer_maps.NAMES} or student:teacher pairs such as 0:0,1:2,2:3,3:5,4:6")
 
 
-def check_positions(config, max_position_embeddings: int) -> None:
-    """Examples must fit the models' position table (else position ids index past it)."""
-    n = config.data.seq_len if config.data.kind == "corpus" else config.data.max_len
-    field = "data.seq_len" if config.data.kind == "corpus" else "data.max_len"
-    if n > max_position_embeddings:
-        raise _bad(field, n, f"is longer than the models' max_position_embeddings "
-                   f"({max_position_embeddings})", example=min(max_position_embeddings, 512))
+# --------------------------------------------------------------------------- paths
+
+# Objectives that distil the teacher's logits: the teacher needs a fine-tuned classifier.
+_LOGIT_OBJECTIVES = ("tinybert_pred", "kd", "pkd")
+
+
+def _looks_local(p: str) -> bool:
+    """A path, not a Hugging Face hub name ('org/name' or 'name')."""
+    return p.startswith((".", "/", "~")) or p.count("/") > 1 or os.path.exists(p)
+
+
+def _model_folder(field: str, p: str, example: str) -> Optional[str]:
+    """The local folder `p` after checking it holds a model (a hub name is downloaded)."""
+    if not _looks_local(p):
+        from jax_tinybert.hf import resolve_path
+
+        try:
+            return resolve_path(p)
+        except PathError as e:
+            raise PathError(f"config.{field}={e}") from e
+    q = os.path.expanduser(p)
+    if not os.path.isdir(q):
+        what = "is a file, not a folder" if os.path.exists(q) else \
+            f"no such folder (relative to {os.getcwd()})"
+        raise PathError(f"config.{field}={p!r}: {what}; pass a model folder holding config.json "
+                        f"and model.safetensors, e.g. --config.{field}={example}")
+    from jax_tinybert.hf import WEIGHT_FILES
+
+    missing = [] if os.path.exists(os.path.join(q, "config.json")) else ["config.json"]
+    if not any(os.path.exists(os.path.join(q, w)) for w in WEIGHT_FILES):
+        missing.append(" or ".join(WEIGHT_FILES))
+    if missing:
+        raise PathError(f"config.{field}={p!r}: the folder has no {' and no '.join(missing)}; "
+                        f"pass a model folder (a run's <workdir>/export), e.g. "
+                        f"--config.{field}={example}")
+    return q
+
+
+def _has_classifier(folder: str) -> Optional[bool]:
+    """Whether the weights in `folder` hold a classifier head (None: cannot tell cheaply)."""
+    st = os.path.join(folder, "model.safetensors")
+    if os.path.exists(st):
+        try:
+            from safetensors import safe_open
+
+            with safe_open(st, "np") as f:
+                return any(k.startswith("classifier.") for k in f.keys())
+        except Exception:   # damaged: load_pretrained names the file
+            return None
+    try:
+        with open(os.path.join(folder, "config.json")) as fh:
+            arch = json.load(fh).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    return any("SequenceClassification" in a for a in arch) if arch else None
+
+
+def _max_positions(folder: str) -> Optional[int]:
+    try:
+        with open(os.path.join(folder, "config.json")) as fh:
+            return int(json.load(fh).get("max_position_embeddings"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def check_paths(config) -> None:
+    """Every path the config names exists and holds what the stage reads (PathError naming
+    the field and a value that works), and the teacher of a logit-distilling stage has a
+    fine-tuned classifier. Hub names are left to the download."""
+    task = config.data.task if config.data.kind != "corpus" else "sst2"
+    tdir = None
+    if config.teacher.path != config_base.PACKAGED_TEACHER:
+        tdir = _model_folder("teacher.path", str(config.teacher.path),
+                             f"runs/{task}/teacher/export")
+    if tdir is not None and config.objective.name in _LOGIT_OBJECTIVES and not (
+            config.objective.name == "tinybert_pred"
+            and config.objective.regression_target == "gold"):
+        if _has_classifier(tdir) is False:
+            raise UserError(
+                f"config.teacher.path={config.teacher.path!r} has no fine-tuned classifier head, "
+                f"and objective {config.objective.name!r} distils the teacher's predictions; "
+                f"fine-tune it first (jax-tinybert --config=configs/finetune_teacher.py:{task} "
+                f"--workdir=runs/{task}/teacher) and pass its export: "
+                f"--config.teacher.path=runs/{task}/teacher/export")
+    if config.teacher.path == config_base.PACKAGED_TEACHER and \
+            config.objective.name in _LOGIT_OBJECTIVES:
+        raise UserError(
+            f"config.teacher.path='packaged' is the pre-trained MiniLM with no fine-tuned "
+            f"classifier head, and objective {config.objective.name!r} distils the teacher's "
+            f"predictions; fine-tune it first (jax-tinybert --config=configs/finetune_teacher.py:"
+            f"{task} --workdir=runs/{task}/teacher) and pass its export: "
+            f"--config.teacher.path=runs/{task}/teacher/export")
+    sdir = None
+    if config.student.init == "pretrained" and config.student.path:
+        sdir = _model_folder("student.path", str(config.student.path), "runs/general/export")
+    for folder in (tdir, sdir):
+        n = _max_positions(folder) if folder else None
+        length = config.data.seq_len if config.data.kind == "corpus" else config.data.max_len
+        field = "data.seq_len" if config.data.kind == "corpus" else "data.max_len"
+        if n is not None and length > n:
+            raise _bad(field, length, f"is longer than the model's max_position_embeddings ({n}, "
+                       f"{os.path.join(folder, 'config.json')})", example=min(n, 512))
+    dc = config.data
+    if dc.kind == "glue" and dc.source == "tsv":
+        spec = glue.get_task(dc.task)
+        glue_dir = dc.glue_dir or os.environ.get("GLUE_DIR", "")
+        field = "--config.data.glue_dir" if dc.glue_dir else "$GLUE_DIR"
+        if not glue_dir:
+            raise PathError(
+                f"no GLUE data for {spec.dir_name}: set GLUE_DIR or --config.data.glue_dir to a "
+                f"folder holding {spec.dir_name}/train.tsv and {spec.dir_name}/dev.tsv (e.g. "
+                "--config.data.glue_dir=../shared/data/glue), or use --config.data.source=hf "
+                "(online)")
+        if not os.path.isdir(glue_dir):
+            raise PathError(f"{field}={glue_dir}: no such folder (relative to {os.getcwd()}); "
+                            f"pass the folder holding {spec.dir_name}/train.tsv")
+        for split in ("train", spec.eval_splits[0]):
+            f = glue.tsv_path(glue_dir, spec, split)
+            if split == "train" and dc.train_file:
+                f = dc.train_file
+            if not os.path.isfile(f):
+                raise PathError(f"{f}: no such file; {field}={glue_dir} must hold the GLUE "
+                                f"layout <glue_dir>/{spec.dir_name}/<split>.tsv"
+                                if f != dc.train_file else
+                                f"config.data.train_file={f!r}: no such file (relative to "
+                                f"{os.getcwd()}); pass a TSV in the task's train.tsv format")
+    if dc.kind == "corpus":
+        files = [p for p in str(dc.corpus).split(",") if p]
+        if not files:
+            raise PathError("config.data.kind='corpus' needs config.data.corpus: text files or "
+                            "folders, e.g. --config.data.corpus=../shared/data/corpus")
+        for p in files:
+            if "://" not in p and not os.path.exists(os.path.expanduser(p)):
+                raise PathError(f"config.data.corpus: {p!r}: no such file or folder (relative to "
+                                f"{os.getcwd()}); pass text files or folders of .txt files")
 
 
 # --------------------------------------------------------------------------- workdir ownership

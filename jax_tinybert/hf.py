@@ -184,7 +184,7 @@ def resolve_path(path_or_name: str) -> str:
         return snapshot_download(path_or_name, allow_patterns=[
             "config.json", *WEIGHT_FILES, *TOKENIZER_FILES])
     except Exception as e:  # offline, unknown repo, no hub package
-        reason = " ".join(str(e).split())[:200]
+        reason = " ".join(str(e).split()).split(". ")[0][:160]
         raise PathError(f"{path_or_name!r}: {where}, and not downloadable from the Hugging Face "
                         f"hub ({type(e).__name__}: {reason}); {fix}") from e
 

@@ -1,0 +1,180 @@
+"""The command line as a user meets it: run from a fresh directory with a RELATIVE --workdir,
+every mistake prints one line `error: <problem>; <fix>` and exits with status 2, nothing it
+leaves behind blocks the corrected rerun in the same workdir, and --help says how to use it.
+
+One fixture: a temp directory holding configs/ (a link to the repo's), a tiny random teacher
+(2 layers, d 32), a small SST-2-style GLUE folder, a copy with a non-UTF-8 row and a teacher
+with a truncated model.safetensors. Two tiny training runs (2 steps) in all.
+"""
+import concurrent.futures
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from helpers import tiny_run  # noqa: E402
+
+REPO = tiny_run.REPO
+TINY = ["--config.train.num_steps=2", "--config.train.batch_size=8",
+        "--config.train.eval_batch_size=16", "--config.data.max_len=16",
+        "--config.data.buckets=(16,)", "--config.data.train_subset=32",
+        "--config.data.eval_subset=16", "--config.train.log_every=1",
+        "--config.train.checkpoint_every=2"]
+FINETUNE = ["--config=configs/finetune_teacher.py:sst2", "--workdir=runs/t",
+            "--config.teacher.path=teacher", "--config.data.glue_dir=glue", *TINY]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    from jax_tinybert.data import synthetic
+
+    d = tmp_path_factory.mktemp("cli")
+    teacher, compile_cache = tiny_run.shared_dirs(tmp_path_factory)
+    (d / "configs").symlink_to(REPO / "configs")
+    shutil.copytree(teacher, d / "teacher")
+    shutil.copytree(teacher, d / "teacher_trunc")
+    st = d / "teacher_trunc" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 3])
+    synthetic.write_sst2_like(str(d / "glue"), 48, 16, seed=0)
+    shutil.copytree(d / "glue", d / "glue_bad")
+    bad = d / "glue_bad" / "SST-2" / "train.tsv"
+    lines = bad.read_bytes().split(b"\n")
+    lines[4] = b"a caf\xe9 review that is not utf-8\t1"   # line 5, Latin-1
+    bad.write_bytes(b"\n".join(lines))
+    env = tiny_run.env(**tiny_run.cache_env(compile_cache))
+    env.pop("GLUE_DIR", None)
+
+    def run(args, timeout=600, **extra):
+        e = dict(env, **extra)
+        return subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.main", *args], cwd=d, env=e,
+                              capture_output=True, text=True, timeout=timeout)
+    return d, run
+
+
+def _one_line_error(r, *needles):
+    """rc 2, no traceback, the last stderr line is the one `error: ...` line with needles."""
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], r.stderr[-3000:]
+    for n in needles:
+        assert n in errors[0], (n, errors[0])
+    return errors[0]
+
+
+BAD_INPUTS = [  # (extra args, replacing FINETUNE's where the flag is the same; what the line says)
+    (["--config.data.glue_dir="], ["no GLUE data for SST-2: set GLUE_DIR or --config.data.glue_dir",
+          "--config.data.glue_dir=../shared/data/glue"]),
+    (["--config.data.task=sst3"], ["config.data.task: unknown GLUE task 'sst3'",
+                                   "did you mean SST-2?"]),
+    (["--config=configs/finetune_teacher.py:sst3"], ["--config=configs/finetune_teacher.py:sst3: "
+                                                     "unknown GLUE task 'sst3'"]),
+    (["--config=configs/finetune.py"], ["no such config file 'configs/finetune.py'",
+                                        "configs/finetune_teacher.py"]),
+    (["--config.train.batch_sise=64"], ["unknown field config.train.batch_sise",
+                                        "did you mean config.train.batch_size"]),
+    (["--config.train.foo=1"], ["unknown field config.train.foo", "config.train has: batch_size"]),
+    (["--config.objective.foo=1"], ["unknown field config.objective.foo"]),
+    (["--config.train.batch_size=abc"], ["--config.train.batch_size=abc: bad value",
+                                         "expects an integer"]),
+    (["--config.optim.learning_rate=-3e-5"], ["config.optim.learning_rate=-3e-05 must be > 0",
+                                              "--config.optim.learning_rate="]),
+    (["--config.train.num_steps=-1"], ["config.train.num_steps=-1 must be >= 0"]),
+    (["--config.objective.alpha=1.5"], ["config.objective.alpha=1.5 must be in [0, 1]"]),
+    (["--config.objective.layer_map=0:0,1"], ["'1' is not a student:teacher pair"]),
+    (["--config.teacher.path=runs/sst2/teacher/export"],
+     ["config.teacher.path='runs/sst2/teacher/export': no such folder (relative to"]),
+    (["--config.data.glue_dir=glu"], ["--config.data.glue_dir=glu: no such folder"]),
+    (["--config.teacher.path=teacher_trunc"],
+     ["teacher_trunc/model.safetensors: cannot read the weights", "truncated or damaged"]),
+    (["--config.data.glue_dir=glue_bad"],
+     ["glue_bad/SST-2/train.tsv:5: not UTF-8 text (byte 0xe9",
+      "--config.data.skip_bad_rows=True"]),
+    (["--workdir=runs/t", "extra_argument"], ["unexpected argument 'extra_argument'"]),
+]
+
+
+def _with(base, extra):
+    keys = {a.split("=", 1)[0] for a in extra if a.startswith("--")}
+    return [a for a in base if a.split("=", 1)[0] not in keys] + extra
+
+
+def test_bad_inputs_print_one_line_and_the_corrected_rerun_works(cli):
+    d, run = cli
+    # Mistakes caught before anything is read run two at a time (they write nothing); the two
+    # that get as far as reading the data and the weights run one after the other.
+    early, late = BAD_INPUTS[:-3] + BAD_INPUTS[-1:], BAD_INPUTS[-3:-1]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda case: run(_with(FINETUNE, case[0])), early))
+    for (extra, needles), r in zip(early, results):
+        _one_line_error(r, *needles)
+    assert not (d / "runs").exists()          # refused before anything was written
+    for extra, needles in late:
+        _one_line_error(run(_with(FINETUNE, extra)), *needles)
+    # Nothing a failed start left behind owns the workdir: no checkpoint was saved.
+    assert not (d / "runs" / "t" / "checkpoints").exists()
+    # The corrected rerun, in the same workdir; skip_bad_rows gets past the non-UTF-8 row.
+    r = run(_with(FINETUNE, ["--config.data.glue_dir=glue_bad", "--config.data.skip_bad_rows=True"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipped 1 bad rows" in r.stderr and "train.tsv:5: not UTF-8" in r.stderr
+    assert (d / "runs" / "t" / "summary.json").exists()
+    assert (d / "runs" / "t" / "export" / "model.safetensors").exists()
+    # Now the run owns its workdir: another config is refused (naming the field), a cadence
+    # change and the same data through $GLUE_DIR are not another config.
+    _one_line_error(run(_with(FINETUNE, ["--config.data.glue_dir=glue_bad",
+                                         "--config.data.skip_bad_rows=True",
+                                         "--config.optim.learning_rate=1e-3"])),
+                    "workdir runs/t holds a run of a different config (optim.learning_rate: "
+                    "5e-05 -> 0.001)", "use a new --workdir")
+
+
+def test_pred_stage_without_a_fine_tuned_teacher(cli):
+    d, run = cli
+    if not (d / "runs" / "t" / "export" / "model.safetensors").exists():
+        assert run(FINETUNE).returncode == 0
+    pred = ["--config=configs/task_distill.py:sst2_pred", "--workdir=runs/p",
+            "--config.data.glue_dir=glue", *TINY]
+    _one_line_error(run(pred + ["--config.teacher.path=teacher"]),
+                    "config.teacher.path='teacher' has no fine-tuned classifier head",
+                    "configs/finetune_teacher.py:sst2",
+                    "--config.teacher.path=runs/sst2/teacher/export")
+    _one_line_error(run(pred), "config.teacher.path='packaged' is the pre-trained MiniLM")
+    r = run(pred + ["--config.teacher.path=runs/t/export"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (d / "runs" / "p" / "summary.json").exists()
+
+
+def test_verbose_keeps_the_traceback(cli):
+    d, run = cli
+    r = run(_with(FINETUNE, ["--config.optim.learning_rate=-1.0", "--verbose"]))
+    assert r.returncode == 2 and "Traceback" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: config.optim.learning_rate=-1.0")
+
+
+@pytest.mark.parametrize("how", ["module", "console_script"])
+def test_help_lists_stages_configs_variants_and_fields(cli, how):
+    d, _ = cli
+    cmd = [tiny_run.PYTHON, "-m", "jax_tinybert.main", "--help"] if how == "module" else \
+        [tiny_run.PYTHON, "-c", "import sys; sys.argv = ['jax-tinybert', '--help']; "
+         "from jax_tinybert.main import run; run()"]
+    r = subprocess.run(cmd, cwd=d, env=tiny_run.env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    prog = "python -m jax_tinybert.main" if how == "module" else "jax-tinybert"
+    assert f"usage: {prog} --config=CONFIG.py[:VARIANT] --workdir=DIR" in out
+    for stage in ("finetune_teacher", "general_distill", "task_distill", "pkd", "kd", "demo"):
+        assert f"  {stage} " in out
+    for cfg in ("configs/demo.py", "configs/finetune_teacher.py", "configs/general_distill.py",
+                "configs/pkd.py", "configs/task_distill.py"):
+        assert cfg in out
+    assert '"<task>_intermediate" / "<task>_pred"' in out      # task_distill's variants
+    assert "--config.train.batch_size=64" in out               # how to override
+    assert "train: batch_size=32" in out                       # every field with its default
+    assert "--config.objective.layer_map=0:0,1:2,2:3,3:5,4:6" in out
+    assert "jax-tinybert --config=configs/finetune_teacher.py:sst2 --workdir=runs/sst2/teacher" \
+        in out                                                 # an example
