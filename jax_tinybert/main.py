@@ -105,6 +105,12 @@ def main(argv):
         absl_logging.set_verbosity(absl_logging.ERROR)
         logging.getLogger("jax_tinybert").setLevel(logging.WARNING)
     config = FLAGS.config
+    if config.stage == "mlm_head":
+        # Its own schema (config.mlm.*), checked by mlm_head.fit before anything is written.
+        from jax_tinybert import mlm_head
+
+        mlm_head.fit(config, FLAGS.workdir)
+        return
     # Every field's range, before anything is written (the demo's stages check again).
     config_check.validate_config(config)
     if config.stage == "demo":
