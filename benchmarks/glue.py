@@ -128,11 +128,12 @@ def _run(cfg, workdir: str) -> dict:
 # --------------------------------------------------------------------------- augmentation
 
 def _write_subset_tsv(glue_dir: str, task: str, n: int, seed: int, out_path: str) -> str:
-    """The training rows the un-augmented stages see (same seeded choice as train._subset),
+    """The training rows the un-augmented stages see (same seeded choice as build.subset),
     as a TSV, so that augmentation costs scale with the subset, not the whole train set."""
     import numpy as np
 
     from jax_tinybert.data import glue
+    from jax_tinybert.fs import atomic_open
 
     spec = glue.get_task(task)
     with open(glue.tsv_path(glue_dir, spec, "train"), encoding="utf-8-sig", newline="") as f:
@@ -141,12 +142,9 @@ def _write_subset_tsv(glue_dir: str, task: str, n: int, seed: int, out_path: str
     if n and n < len(rows):
         idx = np.sort(np.random.default_rng(seed).permutation(len(rows))[:n])
         rows = [rows[i] for i in idx]
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
+    with atomic_open(out_path, "w", encoding="utf-8", newline="") as f:
         for r in header + rows:
             f.write("\t".join(r) + "\n")
-    os.replace(tmp, out_path)
     return out_path
 
 

@@ -30,9 +30,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert import step as step_lib  # noqa: E402
+from jax_tinybert import build, teacher_cache  # noqa: E402
 from jax_tinybert.data import batching, tokenize  # noqa: E402
-from jax_tinybert.modeling import BertForSequenceClassification  # noqa: E402
 
 OFFICIAL_PRED_S_PER_STEP_64 = 0.83  # official PyTorch TinyBERT, this machine (issue 8)
 
@@ -108,29 +107,27 @@ def main(argv=None):
     out["per_bucket"] = ours
 
     # Cache build: teacher forward (eval) over every example, batch 64, per bucket.
-    teacher = BertForSequenceClassification(tcfg)
-    fwd = jax.jit(lambda p, b: teacher.apply({"params": p}, b["input_ids"], b["attention_mask"],
-                                             b["token_type_ids"], attention_logits=False).logits)
+    # The forward training's teacher cache runs (teacher_cache.build_for_training).
+    teacher = build.teacher_module(case.config, tcfg, classifier=True)
+    forward = teacher_cache.make_forward(teacher, case.obj.teacher_features)
+    tparams_dev = jax.device_put(tparams)
+    fwd = lambda p, b: forward(p, b["input_ids"], b["attention_mask"], b["token_type_ids"])
     cache_s = 0.0
     lens = batching.assign_buckets(ds.lengths, buckets)
     for k, b in enumerate(buckets):
         hb = st.make_batch(tcfg, 64, b)
-        w, c = _time(lambda: fwd(tparams, hb), args.warmup, args.steps)
+        w, c = _time(lambda: fwd(tparams_dev, hb), args.warmup, args.steps)
         n_batches = -(-int((lens == k).sum()) // 64)
         cache_s += n_batches * w
         out[f"cache_fwd_{b}_wall"] = w
     out["cache_build_s"] = cache_s
 
     # The official way, in JAX: padded to 64, live teacher in train mode (dropout on).
-    loss_fn = step_lib.make_loss_fn(case.student, BertForSequenceClassification(tcfg), case.obj,
-                                    teacher_dropout=True, student_dropout=True)
-    official_step = step_lib.jit_train_step(
-        step_lib.make_train_step(loss_fn, case.tx, lambda s: 5e-5, mesh=case.mesh),
-        case.state_sh, st.shd.state_shardings(tparams, case.mesh), case.mesh)
+    official = st.Case("tinybert_pred", tcfg, tparams, scfg, sparams, teacher_dropout=True)
     hb = st.make_batch(scfg, args.batch, 64)
     hb["input_ids"] = np.minimum(hb["input_ids"], tcfg.vocab_size - 1)
-    b64 = case.shard(hb)
-    ow, _ = _time_step(official_step, case.fresh_state(), case.teacher_params, b64,
+    b64 = official.shard(hb)
+    ow, _ = _time_step(official.step, official.fresh_state(), official.teacher_params, b64,
                        args.warmup, args.steps)
     out["official_way_jax_s_per_step"] = ow
 

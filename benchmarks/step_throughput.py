@@ -6,9 +6,9 @@ XLA's cost analysis of the compiled step, achieved FLOP/s and its share of a mat
 in the same run (jitted fp32 2048^3 matmul, median), compile time, and the same step in PyTorch
 (benchmarks/torch_reference.py) with the JAX/PyTorch speed ratio.
 
-The step is built exactly as jax_tinybert/train.py builds it: objectives.make_objective,
-optim.make_optimizer, step.make_loss_fn + make_train_step + jit_train_step on a 1-device mesh
-from sharding.make_mesh, TrainState.create. Teacher deterministic, student dropout on.
+The step is the one training runs: `jax_tinybert.build.build_step` from a run config
+(`bench_config`: config_base's defaults, OPT_CFG, the stage's objective cfg), on a 1-device mesh.
+Teacher deterministic and live (no teacher cache), student dropout on.
 
     .venv/bin/python benchmarks/step_throughput.py                       # the main configs
     .venv/bin/python benchmarks/step_throughput.py --teachers minilm,bert_base \
@@ -55,11 +55,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert import objectives, optim  # noqa: E402
+from jax_tinybert import build, config_base  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
-from jax_tinybert import step as step_lib  # noqa: E402
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
-from jax_tinybert.train_state import TrainState  # noqa: E402
 
 STAGES = ("finetune", "tinybert_intermediate", "tinybert_pred", "pkd")
 STAGE_SHORT = {"finetune": "finetune", "tinybert_intermediate": "intermediate",
@@ -141,51 +139,57 @@ def make_batch(cfg: BertConfig, batch_size: int, length: int, seed: int = 0) -> 
             "valid": np.ones(batch_size, np.float32)}
 
 
+# Torch's AdamW eps (benchmarks/torch_reference.py), so both sides take the same update.
 OPT_CFG = {"name": "adamw", "learning_rate": 5e-5, "schedule": "constant", "warmup_ratio": 0.0,
-           "weight_decay": 0.01, "clip_norm": 1.0}
+           "weight_decay": 0.01, "clip_norm": 1.0, "eps": 1e-8}
+
+
+def bench_config(stage: str, scfg: BertConfig, tcfg: BertConfig, student_dropout: bool = True,
+                 teacher_dropout: bool = False):
+    """The run config of a benchmarked step: config_base's defaults, OPT_CFG, the stage's
+    objective cfg, a live teacher (no cache: the step times the teacher forward too)."""
+    c = config_base.base_config()
+    c.objective.name = stage
+    with c.objective.ignore_type():
+        c.objective.update(objective_cfg(stage, scfg, tcfg))
+    c.optim.update(OPT_CFG)
+    c.student.dropout = student_dropout
+    c.teacher.update(dict(cache=False, dropout=teacher_dropout))
+    return c
 
 
 class Case:
-    """One jitted train step built as jax_tinybert/train.py builds it."""
+    """One jitted train step, built by jax_tinybert.build.build_step (as training builds it) on
+    a 1-device mesh."""
 
     def __init__(self, stage, tcfg, tparams, scfg, sparams, total_steps=100,
-                 student_dropout=True, seed=0):
+                 student_dropout=True, seed=0, teacher_dropout=False):
         if stage == "finetune":  # teacher fine-tuning: the teacher is the student
             scfg, sparams, tmodel_cfg = tcfg, tparams, None
         else:
             tmodel_cfg = tcfg
         self.stage, self.scfg, self.tcfg = stage, scfg, tmodel_cfg
-        self.obj = objectives.make_objective(stage, objective_cfg(stage, scfg, tcfg), scfg,
-                                             tmodel_cfg)
-        tx, schedule = optim.make_optimizer(OPT_CFG, total_steps)
+        self.config = config = bench_config(stage, scfg, tcfg, student_dropout, teacher_dropout)
+        self.obj = build.build_objective(config, scfg, tmodel_cfg)
         self.mesh = mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
-        rng = jax.random.PRNGKey(seed + 1)
-        self.proj = self.obj.init_projection(jax.random.fold_in(rng, 1))
-        self.student_params = sparams
-        params = {"student": sparams, "proj": self.proj}
-        abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, jax.random.PRNGKey(0)),
-                                  params)
-        state_sh = shd.state_shardings(abstract, mesh)
-        self.state_sh, self.tx, self.rng = state_sh, tx, rng
-        self.teacher_params = teacher_sh = None
+        self.student = build.student_module(config, scfg)
         teacher = None
-        if self.obj.needs_teacher:
-            teacher = BertForSequenceClassification(tcfg)
-            teacher_sh = shd.state_shardings(tparams, mesh)
-            self.teacher_params = shd.put_sharded(tparams, teacher_sh)
+        if build.teacher_in_step(config, self.obj):
+            teacher = build.teacher_module(config, tcfg, classifier=True)
+        self.built = build.build_step(config, student=self.student, teacher=teacher,
+                                      objective=self.obj, student_params=sparams,
+                                      teacher_params=tparams if teacher else None, mesh=mesh,
+                                      total_steps=total_steps)
+        self.seed = seed
+        self.proj = self.obj.init_projection(jax.random.fold_in(jax.random.PRNGKey(seed + 1), 1))
+        self.student_params = sparams
         self.host_teacher_params = tparams if teacher is not None else None
-        self.student = BertForSequenceClassification(scfg)
-        self.loss_fn = step_lib.make_loss_fn(self.student, teacher, self.obj,
-                                             teacher_dropout=False,
-                                             student_dropout=student_dropout)
-        self.step = step_lib.jit_train_step(
-            step_lib.make_train_step(self.loss_fn, tx, schedule, grad_accum=1, mesh=mesh),
-            state_sh, teacher_sh, mesh)
-        self._params = params
+        self.teacher_params = self.built.put_teacher(tparams)
+        self.loss_fn = self.built.loss_fn
+        self.step = self.built.train_step
 
     def fresh_state(self):
-        return jax.jit(lambda p: TrainState.create(p, self.tx, self.rng),
-                       out_shardings=self.state_sh)(shd.put_replicated(self._params, self.mesh))
+        return self.built.init_state(self.student_params, self.seed)
 
     def shard(self, host_batch):
         return shd.shard_batch(host_batch, self.mesh)

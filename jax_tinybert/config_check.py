@@ -15,7 +15,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jax_tinybert import config_base, layer_maps, objectives
+from jax_tinybert import config_base, layer_maps, losses, objectives, optim
 from jax_tinybert.data import glue
 from jax_tinybert.errors import PathError, UserError
 
@@ -144,8 +144,6 @@ NUMERIC_RULES = {
 
 
 def _choices() -> Dict[str, Tuple[str, ...]]:
-    from jax_tinybert import losses, optim
-
     return {
         "stage": config_base.STAGES, "objective.name": objectives.OBJECTIVES,
         "objective.mode": losses.MODES, "objective.projection": objectives.PROJECTIONS,

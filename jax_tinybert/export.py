@@ -1,7 +1,8 @@
 """Export a student as a Hugging Face BERT folder (Flax, PyTorch and tokenizer files).
 
     export_hf(config, params, out_dir, tokenizer_dir=None, id2label=None)
-    python -m jax_tinybert.export --workdir=RUN --out=DIR [--which=best|latest]
+
+A training run's checkpoint is exported by `jax_tinybert.run_export` (which calls this).
 
 The folder loads with `FlaxBertForSequenceClassification` / `BertForSequenceClassification`
 (or `*BertModel` for an encoder-only export) from transformers 4.x and with
@@ -12,19 +13,17 @@ into place only when complete. Call it from one process (process 0).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
 import sys
-import uuid
 from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
 
-from jax_tinybert import fsutil, hf
+from jax_tinybert import fs, hf
 from jax_tinybert.modeling import (BertConfig, BertForMaskedLM, BertForSequenceClassification,
                                    init_params)
 
@@ -73,7 +72,7 @@ def _copy_tokenizer(tokenizer_dir: str, dst: str) -> list:
 
 # ----------------------------------------------------------------------------- export_hf
 
-def _student_tree(params: Any) -> dict:
+def student_tree(params: Any) -> dict:
     """Host float32 numpy tree in HF Flax layout; accepts TrainState-style {"student", "proj"}."""
     params = dict(params)
     if "student" in params:
@@ -107,7 +106,7 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
     Files: config.json, flax_model.msgpack (bare HF Flax dict), model.safetensors (PyTorch
     names, Linear kernels transposed) and the tokenizer files found in tokenizer_dir.
     """
-    tree = _student_tree(params)
+    tree = student_tree(params)
     if "cls" in tree:
         return _export_mlm(config, tree, out_dir, tokenizer_dir)
     classification = "classifier" in tree
@@ -162,14 +161,11 @@ def _write_folder(out_dir: str, cfg: dict, tree: dict, torch_state: dict,
                   tokenizer_dir: Optional[str]) -> str:
     """Writes config.json, the weights and the tokenizer into a temp folder renamed to out_dir."""
     out_dir = os.path.abspath(out_dir)
-    parent, name = os.path.split(out_dir.rstrip(os.sep))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"export_hf: {out_dir} exists and is not a folder")
-    os.makedirs(parent, exist_ok=True)
-    # Beside out_dir (same filesystem, so the final rename is atomic) and hidden, so a crashed
-    # export never looks like a model folder.
-    fsutil.clean_stale_temps(out_dir)
-    tmp = fsutil.mkdtemp(out_dir)
+    # Hidden and beside out_dir, so a crashed export never looks like a model folder.
+    fs.clean_stale_temps(out_dir)
+    tmp = fs.mkdtemp(out_dir)
     try:
         _write_config(os.path.join(tmp, CONFIG_FILE), cfg)
         _write_flax(os.path.join(tmp, FLAX_FILE), tree)
@@ -180,146 +176,16 @@ def _write_folder(out_dir: str, cfg: dict, tree: dict, torch_state: dict,
         os.chmod(tmp, 0o755)
         for f in os.listdir(tmp):
             os.chmod(os.path.join(tmp, f), 0o644)
-        _swap_into_place(tmp, out_dir)
+        fs.swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
 
 
-def _swap_into_place(tmp: str, out_dir: str) -> None:
-    """Rename tmp -> out_dir; an existing out_dir is moved aside first and deleted afterwards."""
-    old = None
-    if os.path.exists(out_dir):
-        parent, name = os.path.split(out_dir)
-        old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        if old is not None:
-            os.rename(old, out_dir)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------- from a run
-
-def _read_run_config(workdir: str):
-    import ml_collections
-
-    from jax_tinybert import config_base
-
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir "
-                                "(python -m jax_tinybert.main --workdir=...)?")
-    with open(path) as fh:
-        flat = json.load(fh)["config"]
-    config = config_base.base_config()
-    for key, value in flat.items():
-        parts = key.split(".")
-        node = config
-        for p in parts[:-1]:
-            if p not in node:
-                node[p] = ml_collections.ConfigDict()
-            node = node[p]
-        if parts[-1] in node and isinstance(node[parts[-1]], tuple) and isinstance(value, list):
-            value = tuple(value)
-        with node.ignore_type():
-            node[parts[-1]] = value
-    return config
-
-
-def _abstract_from_checkpoint(step_dir: str):
-    """ShapeDtypeStruct tree of the saved `state` item, read from orbax's metadata."""
-    import orbax.checkpoint as ocp
-
-    # The item folder has no checkpoint-level metadata file (the manager keeps it one level
-    # up); orbax warns about that, harmlessly.
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)
-    try:
-        meta = ocp.StandardCheckpointer().metadata(os.path.abspath(os.path.join(step_dir, "state")))
-    finally:
-        absl.setLevel(level)
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
-    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree_util.tree_map(
-        lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=dev), tree,
-        is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
-
-
-def _student_config(workdir: str, num_labels: int) -> tuple:
-    """(BertConfig, id2label, tokenizer_dir, encoder_only) of the run's student, rebuilt from
-    the run's config.json the way the trainer built it."""
-    from jax_tinybert import train
-
-    config = _read_run_config(workdir)
-    id2label = None
-    if config.data.kind == "glue":
-        from jax_tinybert.data import glue
-
-        spec = glue.get_task(config.data.task)
-        if spec.labels is not None and len(spec.labels) == num_labels:
-            id2label = dict(enumerate(spec.labels))
-    models = train.build_models(config, num_labels, id2label)
-    return (models.student_config, id2label, models.tokenizer_dir,
-            config.data.kind == "corpus")
-
-
-def export_from_workdir(workdir: str, out: str, which: str = "best") -> str:
-    """Restore the best (or latest) checkpoint of a training run and export its student.
-
-    which: "best" (falls back to the latest when the run kept no best checkpoint) or "latest".
-    Uses `jax_tinybert.checkpoints.Checkpointer` (corrupt newest checkpoints are skipped).
-    """
-    from jax_tinybert.checkpoints import Checkpointer
-
-    if which not in ("best", "latest"):
-        raise ValueError(f"which must be 'best' or 'latest', got {which!r}")
-    # Same best-metric name as the trainer (train.py saves the dev metric as "main").
-    ckpt = Checkpointer(workdir, async_save=False, keep_best=True, best_metric="main",
-                        best_mode="max")
-    try:
-        use_best = which == "best" and ckpt.best_step() is not None
-        if which == "best" and not use_best:
-            log.warning("%s: no best checkpoint; exporting the latest", workdir)
-        step = ckpt.best_step() if use_best else ckpt.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{workdir}: no checkpoint to export")
-        base = ckpt.best_directory if use_best else ckpt.directory
-        abstract = _abstract_from_checkpoint(os.fspath(base / str(step)))
-        got = ckpt.restore_best(abstract) if use_best else ckpt.restore_latest(abstract)
-    finally:
-        ckpt.close()
-    step, state, _ = got
-    params = state["params"] if isinstance(state, dict) else state.params
-    student = _student_tree(params)
-    num_labels = int(student["classifier"]["kernel"].shape[-1]) if "classifier" in student else 2
-    config, id2label, tokenizer_dir, encoder_only = _student_config(workdir, num_labels)
-    if encoder_only:  # general distillation: the head was never trained (as train.py exports)
-        student = student["bert"]
-    log.info("exporting step %d of %s to %s", step, workdir, out)
-    return export_hf(config, student, out, tokenizer_dir=tokenizer_dir, id2label=id2label)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jax_tinybert.export",
-                                 description="Export a run's student as an HF BERT folder.")
-    ap.add_argument("--workdir", required=True, help="the training run's --workdir")
-    ap.add_argument("--out", required=True, help="folder to write (replaced atomically)")
-    ap.add_argument("--which", default="best", choices=("best", "latest"))
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    log.setLevel(logging.INFO)
-    out = export_from_workdir(args.workdir, args.out, args.which)
-    print(f"exported {args.which} checkpoint of {args.workdir} to {out}")
-    return 0
-
 
 if __name__ == "__main__":
+    # The command predates run_export; it still works.
+    from jax_tinybert.run_export import main
+
     sys.exit(main())

@@ -32,13 +32,16 @@ def _early_env() -> None:
 
 _early_env()
 
+import logging  # noqa: E402
 import traceback  # noqa: E402
 
+import jax  # noqa: E402
 import ml_collections  # noqa: E402
 from absl import app, flags, logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from jax_tinybert import cli_diagnose, cli_help, config_check  # noqa: E402
+from jax_tinybert import (cli_diagnose, cli_help, config_check, mlm_head, pipeline,  # noqa: E402
+                          sharding, train)
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -90,37 +93,29 @@ def main(argv):
         raise UserError(f"unexpected argument {argv[1]!r}; every option is a flag of the form "
                         "--name=value (see jax-tinybert --help)")
     _check_workdir(FLAGS.workdir)
-    import logging
-
-    from jax_tinybert import sharding
-
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("jax_tinybert").setLevel(logging.DEBUG if FLAGS.verbose else logging.INFO)
     sharding.maybe_initialize_distributed(FLAGS.coordinator, FLAGS.num_processes,
                                           FLAGS.process_id, timeout_s=FLAGS.init_timeout,
                                           heartbeat_timeout_s=FLAGS.heartbeat_timeout)
-    import jax
-
     if jax.process_index() != 0:
         absl_logging.set_verbosity(absl_logging.ERROR)
         logging.getLogger("jax_tinybert").setLevel(logging.WARNING)
     config = FLAGS.config
     if config.stage == "mlm_head":
         # Its own schema (config.mlm.*), checked by mlm_head.fit before anything is written.
-        from jax_tinybert import mlm_head
-
         mlm_head.fit(config, FLAGS.workdir)
         return
     # Every field's range, before anything is written (the demo's stages check again).
     config_check.validate_config(config)
-    if config.stage == "demo":
-        from jax_tinybert import pipeline
-
-        pipeline.run_demo(config, FLAGS.workdir)
-    else:
-        from jax_tinybert import train
-
-        train.train_and_evaluate(config, FLAGS.workdir)
+    try:
+        if config.stage == "demo":
+            pipeline.run_demo(config, FLAGS.workdir)
+        else:
+            train.train_and_evaluate(config, FLAGS.workdir)
+    except train.Preempted:
+        # 128 + SIGTERM: what schedulers expect of a job that stopped on their signal.
+        sys.exit(143)
 
 
 def _wants_verbose(argv) -> bool:

@@ -11,6 +11,8 @@ from typing import Dict, Iterable, Sequence, Union
 
 import numpy as np
 
+from jax_tinybert.data.glue import get_task
+
 
 def _as_class(preds: np.ndarray) -> np.ndarray:
     """Logits [n, C] -> argmax ids [n]; ids [n] pass through."""
@@ -100,8 +102,6 @@ def _names(task_or_metric_names) -> Sequence[str]:
     if isinstance(task_or_metric_names, str):
         if task_or_metric_names.lower() in METRICS:
             return [task_or_metric_names.lower()]
-        from jax_tinybert.data.glue import get_task
-
         return list(get_task(task_or_metric_names).metrics)
     return [n.lower() for n in task_or_metric_names]
 
@@ -128,8 +128,6 @@ def compute(task_or_metric_names: Union[str, Iterable[str]], preds, labels,
 
 def main_metric(task) -> str:
     """The metric name used to select checkpoints for `task` (see module docstring)."""
-    from jax_tinybert.data.glue import get_task
-
     return get_task(task).main_metric
 
 

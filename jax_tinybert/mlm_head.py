@@ -29,6 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_tinybert import build
+from jax_tinybert.data import corpus as corpus_lib
+from jax_tinybert.data import tokenize
+from jax_tinybert.export import export_hf
+from jax_tinybert.hf import bert_params, load_pretrained
 from jax_tinybert.modeling import BertConfig, BertModel, _MLMHead
 
 log = logging.getLogger(__name__)
@@ -184,13 +189,6 @@ def fit(config, workdir: str) -> dict:
     accuracy before/after, steps, wall time) and returns the summary. A finished workdir (its
     summary.json exists) is not refitted.
     """
-    from jax_tinybert import optim
-    from jax_tinybert.data import corpus as corpus_lib
-    from jax_tinybert.data import tokenize
-    from jax_tinybert.export import export_hf
-    from jax_tinybert.hf import bert_params, load_pretrained
-    from jax_tinybert.train import optim_cfg, resolve_model_path
-
     workdir = os.path.abspath(workdir)
     done = os.path.join(workdir, "summary.json")
     if os.path.exists(done):
@@ -206,7 +204,7 @@ def fit(config, workdir: str) -> dict:
     if int(tc.num_steps) < 1:
         raise ValueError("config.train.num_steps must be >= 1 for the mlm_head stage")
     t0 = time.time()
-    enc_path = str(resolve_model_path(m.encoder))
+    enc_path = str(build.resolve_model_path(m.encoder))
     tok = tokenize.load_tokenizer(enc_path)
     bcfg, params = load_pretrained(enc_path, for_classification=False)
     bert = jax.tree_util.tree_map(np.asarray, bert_params(params))
@@ -223,7 +221,7 @@ def fit(config, workdir: str) -> dict:
     head = init_head(bcfg, jax.random.PRNGKey(int(tc.seed)), prior)
     state = {"bert": bert, "cls": head}
     steps = int(tc.num_steps)
-    tx, schedule = optim.make_optimizer(optim_cfg(config), steps)
+    tx, schedule = build.build_optimizer(config, steps)
     freeze = bool(m.freeze_encoder)
     opt_state = tx.init({"cls": head} if freeze else state)
     train_step, eval_step = make_steps(bcfg, tx, freeze_encoder=freeze)

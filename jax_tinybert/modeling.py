@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 
 import flax
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_tinybert.errors import UserError
+from jax_tinybert.fs import write_json_atomic
 
 Array = jax.Array
 Dtype = Any
@@ -151,10 +151,7 @@ class BertConfig:
         return d
 
     def to_json_file(self, path: str) -> None:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=2, sort_keys=True)
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict(), indent=2, sort_keys=True)
 
     def replace(self, **kw) -> "BertConfig":
         return dataclasses.replace(self, **kw)

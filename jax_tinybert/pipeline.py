@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 
 from jax_tinybert import config_base, train
+from jax_tinybert.data import synthetic
 from jax_tinybert.hf import load_pretrained
 from jax_tinybert.modeling import BertForSequenceClassification, count_params
 
@@ -78,8 +79,6 @@ def run_demo(config: ml_collections.ConfigDict, workdir: str) -> dict:
     corpus_kind = "corpus"
     corpus = config.data.corpus
     if not corpus:
-        from jax_tinybert.data import synthetic
-
         corpus = synthetic.write_corpus(os.path.join(workdir, "corpus", "synthetic.txt"))
     d = lambda name: os.path.join(workdir, name)
     t0 = time.time()

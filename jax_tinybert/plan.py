@@ -5,9 +5,11 @@ simulated mesh, from abstract shapes only, and report per-device memory and FLOP
         --devices 8 32 --mesh dp fsdp --peak_tflops 197 --step_time 0.5
 
 No parameter is ever allocated: params, optimizer state and the batch are
-`jax.ShapeDtypeStruct`s (with their shardings), the step is built exactly as
-`jax_tinybert.train` builds it (objective, optimizer, `step.make_loss_fn` / `make_train_step` /
-`jit_train_step`, `sharding.state_shardings`), then `.lower(...).compile()`. The numbers come
+`jax.ShapeDtypeStruct`s (with their shardings), the step is built by the same
+`jax_tinybert.build.build_step` that training uses, from the run config the plan stands for
+(`plan_config`: config_base's defaults plus the options below), then `.lower(...).compile()`.
+Stages whose teacher outputs training caches (tinybert_pred, kd, pkd) are planned as trained:
+no teacher in the step, its cached outputs in the batch. The numbers come
 from XLA: `compiled.memory_analysis()` (per device: arguments = the state shard + teacher shard +
 batch shard, outputs, temporaries, generated code) and `compiled.cost_analysis()` (FLOPs of the
 per-device program). `--devices N` simulates N CPU devices (XLA_FLAGS, set before JAX starts),
@@ -26,6 +28,15 @@ import json
 import os
 import sys
 from typing import Any, Dict, List, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from jax_tinybert import build, config_base
+from jax_tinybert import sharding as shd
+from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
 
 # name -> (layers, hidden, intermediate, heads); all use BERT's uncased vocab (30522).
 PRESETS = {
@@ -52,9 +63,8 @@ def parse_mesh(s: str) -> Dict[str, int]:
     return out
 
 
-def bert_config(name: str, num_labels: int = 2, max_len: int = 512):
-    from jax_tinybert.modeling import BertConfig
-
+def bert_config(name: str, num_labels: int = 2, max_len: int = 512) -> BertConfig:
+    """A preset (see PRESETS) as a BertConfig with BERT's uncased vocab."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
     layers, hidden, inter, heads = PRESETS[name]
@@ -63,80 +73,77 @@ def bert_config(name: str, num_labels: int = 2, max_len: int = 512):
                       max_position_embeddings=max(512, max_len), num_labels=num_labels)
 
 
-def batch_spec(batch: int, seq_len: int, labels: bool) -> Dict[str, Any]:
-    """Shapes/dtypes of one global batch as the train loop feeds it (no example_id)."""
-    import jax
-    import jax.numpy as jnp
+def plan_config(*, objective: str = "tinybert_intermediate", objective_cfg: Optional[dict] = None,
+                optim_cfg: Optional[dict] = None, grad_accum: int = 1,
+                fsdp_min_size: int = 16384, student_dropout: bool = True,
+                teacher_dtype: str = "float32", student_dtype: str = "float32",
+                remat: bool = False) -> ml_collections.ConfigDict:
+    """The run config the plan stands for: config_base's defaults plus the planner's options."""
+    c = config_base.base_config()
+    c.objective.name = objective
+    with c.objective.ignore_type():
+        c.objective.update(objective_cfg or {})
+    c.optim.update(optim_cfg or {})
+    c.train.grad_accum = grad_accum
+    c.mesh.fsdp_min_size = fsdp_min_size
+    c.student.update(dict(dropout=student_dropout, dtype=student_dtype, remat=remat))
+    c.teacher.dtype = teacher_dtype
+    return c
 
+
+def batch_spec(batch: int, seq_len: int, labels: bool, cached: Optional[dict] = None
+               ) -> Dict[str, Any]:
+    """Shapes/dtypes of one global batch as the train loop feeds it (no example_id).
+    cached: {field: per-example shape} of teacher-cache fields the batch carries."""
     d = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
          for k in ("input_ids", "attention_mask", "token_type_ids")}
     if labels:
         d["labels"] = jax.ShapeDtypeStruct((batch,), jnp.int32)
     d["valid"] = jax.ShapeDtypeStruct((batch,), jnp.float32)
+    for k, shape in (cached or {}).items():
+        d[k] = jax.ShapeDtypeStruct((batch,) + tuple(shape), jnp.float32)
     return d
 
 
-def build_step(teacher_cfg, student_cfg, *, objective: str = "tinybert_intermediate",
-               objective_cfg: Optional[dict] = None, optim_cfg: Optional[dict] = None,
-               mesh=None, grad_accum: int = 1, fsdp_min_size: int = 16384,
-               student_dropout: bool = True, teacher_dtype: str = "float32",
-               student_dtype: str = "float32", remat: bool = False):
-    """The jitted train step and abstract (state, teacher params) with their shardings, built as
-    jax_tinybert.train builds them. Returns (train_step, abstract_state, abstract_teacher, objective)."""
-    import jax
-
-    from jax_tinybert import config_base, objectives, optim
-    from jax_tinybert import sharding as shd
-    from jax_tinybert import step as step_lib
-    from jax_tinybert.modeling import BertForSequenceClassification, BertModel, init_params
-    from jax_tinybert.train import _dtype, optim_cfg as _optim_cfg
-    from jax_tinybert.train_state import TrainState
-
-    base = config_base.base_config()
-    if optim_cfg:
-        base.optim.update(optim_cfg)
-    ocfg = dict(base.objective.to_dict(), **(objective_cfg or {}))
-    ocfg.pop("name", None)
-    obj = objectives.make_objective(objective, ocfg, student_cfg, teacher_cfg)
-    tx, schedule = optim.make_optimizer(_optim_cfg(base), 10000)
-    student = BertForSequenceClassification(student_cfg, dtype=_dtype(student_dtype), remat=remat)
-    needs_teacher = obj.needs_teacher
-    teacher = BertModel(teacher_cfg, dtype=_dtype(teacher_dtype)) if needs_teacher else None
+def build_step(teacher_cfg, student_cfg, *, mesh=None, **options):
+    """The jitted train step and abstract (state, teacher params) with their shardings, built by
+    `build.build_step` from `plan_config(**options)` with abstract params.
+    Returns (train_step, abstract_state, abstract_teacher or None, objective, cached) where
+    cached = {field: per-example shape} of the teacher-cache fields the batch must carry
+    (stages whose teacher outputs are cached run no teacher in the step, as in training)."""
+    config = plan_config(**options)
+    obj = build.build_objective(config, student_cfg, teacher_cfg)
     key = jax.random.PRNGKey(0)
+    student = build.student_module(config, student_cfg)
     sparams = jax.eval_shape(lambda: init_params(BertForSequenceClassification(student_cfg), key))
-    proj = jax.eval_shape(lambda: obj.init_projection(key))
-    abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, key),
-                              {"student": sparams, "proj": proj})
-    state_sh = shd.state_shardings(abstract, mesh, fsdp_min_size)
-    teacher_abs = teacher_sh = None
-    if needs_teacher:
-        tparams = jax.eval_shape(lambda: init_params(BertModel(teacher_cfg), key))
-        teacher_sh = shd.state_shardings(tparams, mesh, fsdp_min_size)
-        teacher_abs = jax.tree_util.tree_map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tparams, teacher_sh)
-    loss_fn = step_lib.make_loss_fn(student, teacher, obj, teacher_dropout=False,
-                                    student_dropout=student_dropout)
-    train_step = step_lib.jit_train_step(
-        step_lib.make_train_step(loss_fn, tx, schedule, grad_accum=grad_accum, mesh=mesh),
-        state_sh, teacher_sh, mesh)
-    state_abs = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    return train_step, state_abs, teacher_abs, obj
+    teacher = tparams = None
+    cached = {}
+    # A teacher that must give logits is a fine-tuned classifier; else the bare encoder.
+    classifier = obj.name in ("tinybert_pred", "kd", "pkd")
+    if build.teacher_in_step(config, obj):
+        teacher = build.teacher_module(config, teacher_cfg, classifier=classifier)
+        tparams = jax.eval_shape(lambda: init_params(teacher, key))
+    elif obj.needs_teacher:
+        # What the teacher cache stores per example (obj.teacher_features of a forward).
+        t = build.teacher_module(config, teacher_cfg, classifier=classifier)
+        ids = jnp.ones((1, 8), jnp.int32)
+        out = jax.eval_shape(lambda: obj.teacher_features(t.apply(
+            {"params": init_params(t, key)}, ids, ids, 0 * ids, deterministic=True,
+            attention_logits=False)))
+        cached = {k: v.shape[1:] for k, v in out.items()}
+    step = build.build_step(config, student=student, teacher=teacher, objective=obj,
+                            student_params=sparams, teacher_params=tparams, mesh=mesh,
+                            total_steps=10000)
+    return step.train_step, step.abstract_state, step.abstract_teacher, obj, cached
 
 
 def tree_bytes(tree) -> int:
-    import jax
-    import numpy as np
-
     return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                    for x in jax.tree_util.tree_leaves(tree)))
 
 
 def per_device_bytes(tree) -> int:
     """Bytes of the largest per-device shard of a pytree of ShapeDtypeStructs with shardings."""
-    import jax
-    import numpy as np
-
     total = 0
     for x in jax.tree_util.tree_leaves(tree):
         shape = x.sharding.shard_shape(x.shape)
@@ -151,20 +158,16 @@ def plan_one(teacher: str, student: str, *, batch: int, seq_len: int, mesh_spec:
              peak_tflops: Optional[float] = None, step_time: Optional[float] = None) -> dict:
     """Compile one configuration; the report as a dict. teacher/student: preset names or
     `BertConfig`s. devices: the devices of the mesh (default: all)."""
-    import jax
-
-    from jax_tinybert import sharding as shd
-
     tcfg = bert_config(teacher, max_len=seq_len) if isinstance(teacher, str) else teacher
     scfg = bert_config(student, max_len=seq_len) if isinstance(student, str) else student
     mesh = shd.make_mesh(mesh_spec, devices)
     shd.check_batch_size(batch, mesh, grad_accum)
-    step, state_abs, teacher_abs, obj = build_step(
+    step, state_abs, teacher_abs, obj, cached = build_step(
         tcfg, scfg, objective=objective, mesh=mesh, grad_accum=grad_accum,
         fsdp_min_size=fsdp_min_size, teacher_dtype=teacher_dtype, student_dtype=student_dtype,
         remat=remat)
     bsh = shd.batch_sharding(mesh)
-    spec = batch_spec(batch, seq_len, labels=objective != "tinybert_intermediate")
+    spec = batch_spec(batch, seq_len, labels=objective != "tinybert_intermediate", cached=cached)
     batch_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh) for k, v in spec.items()}
     compiled = step.lower(state_abs, teacher_abs, batch_abs).compile()
     mem = compiled.memory_analysis()
@@ -258,9 +261,7 @@ def main(argv=None) -> int:
                  if "xla_force_host_platform_device_count" not in f]
         flags.append(f"--xla_force_host_platform_device_count={max(args.devices)}")
         os.environ["XLA_FLAGS"] = " ".join(flags)
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-
+        jax.config.update("jax_platforms", "cpu")
     rows = []
     for n in args.devices:
         devs = jax.devices()

@@ -31,9 +31,11 @@ import zlib
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_tinybert import fsutil
+from jax_tinybert import fs
+from jax_tinybert.data import batching, tokenize
 from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -186,8 +188,6 @@ def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Seque
     [b, C] (when the model has a head) and `teacher_cls` [b, K, D] = the [CLS] vector of the
     1-based `cls_layers` (0 = embeddings). Deterministic (no dropout).
     """
-    import jax.numpy as jnp
-
     layers = tuple(int(i) for i in cls_layers)
 
     def default(out):
@@ -217,15 +217,13 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     `valid == 0` (or example_id < 0) are skipped. Any existing folder at `path` is replaced
     only once the new one is complete.
     """
-    from jax_tinybert.export import _swap_into_place
-
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     # Once, not per batch: host numpy params would be copied to the device at every call.
     params = jax.device_put(params)
-    fsutil.clean_stale_temps(path)
-    tmp = fsutil.mkdtemp(path)
+    fs.clean_stale_temps(path)
+    tmp = fs.mkdtemp(path)
     prog = Progress("teacher cache", total=num_examples, unit="ex")
     try:
         files: Dict[str, np.ndarray] = {}
@@ -271,7 +269,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         # meta.json last: a folder without it is never mistaken for a complete cache.
         with open(os.path.join(tmp, META), "w") as fh:
             json.dump(meta, fh, indent=1, sort_keys=True)
-        _swap_into_place(tmp, path)
+        fs.swap_into_place(tmp, path)
     except BaseException:
         prog.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -299,7 +297,7 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
     """
     fingerprint = dict(fingerprint, num_examples=int(num_examples))
     # A build killed earlier (kill -9, preemption) left its hidden temporary folder behind.
-    for t in fsutil.clean_stale_temps(path):
+    for t in fs.clean_stale_temps(path):
         log.warning("teacher cache: removed %s, left by an interrupted build", t)
     if os.path.exists(os.path.join(path, META)) or os.path.isdir(path):
         try:
@@ -326,8 +324,6 @@ def build_for_training(models, obj, data, workdir: str, mesh=None,
     own copy (under `cache/teacher_p<i>` when there are several): no collective is involved,
     and the workdir need not be shared.
     """
-    from jax_tinybert.data import batching, tokenize
-
     ds = data.train_dataset
     n = len(ds)
     tok = tokenize.load_tokenizer(models.tokenizer_dir)
@@ -343,7 +339,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None,
     }
     name = "teacher" if jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
     path = os.path.join(workdir, "cache", name)
-    buckets = getattr(data.train, "buckets", None) or batching.DEFAULT_BUCKETS
+    buckets = getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
     bs = min(batch_size, max(1, n))
 
     def batches():

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tinybert import export
+from jax_tinybert import export, run_export
 from jax_tinybert.hf import load_pretrained
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
                                    init_params)
@@ -200,7 +200,7 @@ def test_export_from_workdir(tmp_path, which):
     config = _small_config(2)
     saved = _fake_run(tmp_path / "run", _random_params(config))
     out = tmp_path / "out"
-    export.main([f"--workdir={tmp_path / 'run'}", f"--out={out}", f"--which={which}"])
+    run_export.main([f"--workdir={tmp_path / 'run'}", f"--out={out}", f"--which={which}"])
     c2, p2 = load_pretrained(str(out))
     want = saved[5 if which == "best" else 10]
     for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(p2)):

@@ -192,7 +192,7 @@ def test_build_for_training(tmp_path, small):
     obj = objectives.make_objective("tinybert_pred", {"mode": "tinybert"}, s_cfg, t_cfg)
     models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
                                    teacher_config=t_cfg, tokenizer_dir=_TOKENIZER_DIR())
-    data = types.SimpleNamespace(train_dataset=small.ds, train=_batches(small.ds))
+    data = types.SimpleNamespace(train_dataset=small.ds, train_batches=_batches(small.ds))
     cache = tc.build_for_training(models, obj, data, str(tmp_path))
     assert os.path.exists(tmp_path / "cache" / "teacher" / "meta.json")
     batch = next(iter(_batches(small.ds)))
@@ -233,7 +233,7 @@ def test_kill_during_build_leaves_no_stale_temp(tmp_path, small, caplog):
     import subprocess
     import sys
 
-    from jax_tinybert import fsutil
+    from jax_tinybert import fs
 
     path = str(tmp_path / "c")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -246,7 +246,7 @@ def test_kill_during_build_leaves_no_stale_temp(tmp_path, small, caplog):
         p.wait()
     stale = [e for e in os.listdir(tmp_path) if e.startswith(".c.tmp-")]
     assert len(stale) == 1, os.listdir(tmp_path)
-    live = fsutil.mkdtemp(path)  # a build in progress in this very process
+    live = fs.mkdtemp(path)  # a build in progress in this very process
     legacy = tmp_path / ".c.tmp-abc123_x"  # old-style name (no host/pid), older than us
     legacy.mkdir()
     os.utime(legacy, (1, 1))
@@ -258,7 +258,7 @@ def test_kill_during_build_leaves_no_stale_temp(tmp_path, small, caplog):
 
 
 def test_tokenised_cache_and_temp_dirs_follow_the_umask(tmp_path, small):
-    from jax_tinybert import fsutil
+    from jax_tinybert import fs
 
     old = os.umask(0o022)
     try:
@@ -270,6 +270,6 @@ def test_tokenised_cache_and_temp_dirs_follow_the_umask(tmp_path, small):
         assert os.stat(tmp_path / "c").st_mode & 0o777 == 0o755
         assert os.stat(tmp_path / "c" / "meta.json").st_mode & 0o777 == 0o644
         os.umask(0o077)
-        assert os.stat(fsutil.mkdtemp(str(tmp_path / "d"))).st_mode & 0o777 == 0o700
+        assert os.stat(fs.mkdtemp(str(tmp_path / "d"))).st_mode & 0o777 == 0o700
     finally:
         os.umask(old)

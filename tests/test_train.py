@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from jax_tinybert import config_base, train
+from jax_tinybert import build, config_base, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -207,8 +207,9 @@ def test_task_configs_choose_buckets_from_the_data(tmp_path, glue_dir, teacher_d
     c = _cfg("task_distill.py", "sst2_pred")
     assert tuple(c.data.buckets) == ()
     c.data.glue_dir, c.data.train_subset = str(glue_dir), 3000
-    d = train.build_data(c, str(tmp_path), teacher_dir)
+    d = build.build_data(c, str(tmp_path), teacher_dir)
     want = batching.choose_buckets(d.train_dataset.lengths, 64, c.data.max_buckets)
-    assert d.train.buckets == want == d.eval.buckets and want[-1] == 64 and len(want) > 2
+    assert d.train_batches.buckets == want == d.eval_batches.buckets and want[-1] == 64 and \
+        len(want) > 2
     c.data.buckets = (32,)  # explicit buckets are used as given (+ max_len)
-    assert train.build_data(c, str(tmp_path), teacher_dir).train.buckets == (32, 64)
+    assert build.build_data(c, str(tmp_path), teacher_dir).train_batches.buckets == (32, 64)

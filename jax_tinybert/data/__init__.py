@@ -18,6 +18,7 @@ from jax_tinybert.data.batching import (DEFAULT_BUCKETS, BucketedBatcher, assign
                                         padding_waste)
 from jax_tinybert.data.glue import (TASKS, DataError, Example, TaskSpec, get_task, load_examples,
                                     tsv_path)
+from jax_tinybert.data import corpus as _corpus
 from jax_tinybert.data.tokenize import EncodedDataset, load_glue_encoded, load_tokenizer
 
 __all__ = [
@@ -81,8 +82,6 @@ def corpus_train_iterator(corpus, tokenizer, *, global_batch_size: int = 256, se
     """General-distillation batches from text files (a folder of .txt, a file, or a list):
     packed [CLS] ... [SEP] sequences of seq_len, shuffled by (seed, epoch), per-process shards,
     resumable. The packed ids live memmapped in cache_dir."""
-    from jax_tinybert.data import corpus as _corpus
-
     ds = _corpus.build_packed_corpus(corpus, _tok(tokenizer), seq_len, cache_dir=cache_dir,
                                      mode=mode)
     return _corpus.corpus_batcher(ds, global_batch_size, seq_len, seed=seed,
@@ -98,8 +97,6 @@ def pregenerated_train_iterator(path: str, tokenizer, *, epoch: int = 0,
                                 process_count: Optional[int] = None) -> BucketedBatcher:
     """One epoch over the official TinyBERT `epoch_{epoch % n}.json`. Create one per training
     epoch (the data differ per epoch); the shuffle uses (seed, epoch)."""
-    from jax_tinybert.data import corpus as _corpus
-
     ds = _corpus.read_pregenerated(path, _tok(tokenizer), epoch=epoch, max_seq_len=seq_len,
                                    cache_dir=cache_dir)
     it = BucketedBatcher(ds, global_batch_size, buckets_for(seq_len, buckets), train=True,

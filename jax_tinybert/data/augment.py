@@ -36,10 +36,13 @@ import os
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import jax
 import numpy as np
 
-from jax_tinybert import fsutil
+from jax_tinybert import fs, hf
 from jax_tinybert.data import glue
+from jax_tinybert.data.tokenize import load_tokenizer
+from jax_tinybert.modeling import BertForMaskedLM, BertModel, _MLMHead
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +136,6 @@ class Augmenter:
                  glove: Optional[EmbeddingTable] = None,
                  N: int = 20, K: int = 15, p: float = 0.4, seed: int = 42, max_seq_len: int = 128,
                  batch_size: int = 64, buckets: Sequence[int] = (32, 64, 128), dedupe: bool = True):
-        import jax
-
         if mode not in MODES:
             raise ValueError(f"Augmenter: mode={mode!r}; expected one of {MODES}")
         if mode == "mlm" and (mlm_model is None or mlm_params is None):
@@ -178,10 +179,6 @@ class Augmenter:
             self._build_mlm(mlm_model)
 
     def _build_mlm(self, mlm_model) -> None:
-        import jax
-
-        from jax_tinybert.modeling import BertModel, _MLMHead
-
         c = mlm_model.config
         dtype = getattr(mlm_model, "dtype", jax.numpy.float32)
         bert = BertModel(c, dtype=dtype, add_pooling_layer=False)
@@ -349,36 +346,29 @@ class Augmenter:
         if max_rows:
             rows = rows[:max_rows]
         cols = [c for c in (spec.text_a_col, spec.text_b_col) if c is not None]
-        fsutil.clean_stale_temps(out_path)
-        fd, tmp = fsutil.mkstemp(out_path, suffix=".tsv")
+        fs.clean_stale_temps(out_path)
         n_out = 0
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-                for h in header:
-                    f.write("\t".join(h) + "\n")
-                for s in range(0, len(rows), chunk_rows):
-                    block = rows[s:s + chunk_rows]
-                    sents, keys = [], []
-                    for r, row in enumerate(block, start=s):
-                        for c in cols:
-                            sents.append(row[c])
-                            keys.append((r, c))
-                    aug = iter(self.augment_sentences(sents, keys))
-                    for row in block:
-                        f.write("\t".join(row) + "\n")
-                        n_out += 1
-                        for c in cols:
-                            for new in next(aug):
-                                new_row = list(row)
-                                new_row[c] = new
-                                f.write("\t".join(new_row) + "\n")
-                                n_out += 1
-                    log.info("augmented %d / %d rows", min(s + chunk_rows, len(rows)), len(rows))
-            os.replace(tmp, out_path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with fs.atomic_open(out_path, "w", encoding="utf-8", newline="") as f:
+            for h in header:
+                f.write("\t".join(h) + "\n")
+            for s in range(0, len(rows), chunk_rows):
+                block = rows[s:s + chunk_rows]
+                sents, keys = [], []
+                for r, row in enumerate(block, start=s):
+                    for c in cols:
+                        sents.append(row[c])
+                        keys.append((r, c))
+                aug = iter(self.augment_sentences(sents, keys))
+                for row in block:
+                    f.write("\t".join(row) + "\n")
+                    n_out += 1
+                    for c in cols:
+                        for new in next(aug):
+                            new_row = list(row)
+                            new_row[c] = new
+                            f.write("\t".join(new_row) + "\n")
+                            n_out += 1
+                log.info("augmented %d / %d rows", min(s + chunk_rows, len(rows)), len(rows))
         return {"rows_in": len(rows), "rows_out": n_out}
 
 
@@ -417,10 +407,6 @@ def _main(argv=None):
     if args.mode == "embedding" and not (args.encoder or args.mlm):
         ap.error("--mode embedding needs --encoder (any HF BERT folder, e.g. the teacher)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-
-    from jax_tinybert import hf
-    from jax_tinybert.data.tokenize import load_tokenizer
-    from jax_tinybert.modeling import BertForMaskedLM
 
     spec = glue.get_task(args.task)
     glove = EmbeddingTable.from_glove(args.glove_path, args.glove_max_words) if args.glove_path else None

@@ -13,6 +13,8 @@ from typing import List, Tuple
 
 import numpy as np
 
+from jax_tinybert.fs import atomic_open
+
 POS = ("wonderful", "brilliant", "moving", "charming", "delightful", "gripping", "superb",
        "funny", "beautiful", "clever", "touching", "fresh", "great", "enjoyable", "smart")
 NEG = ("dull", "awful", "boring", "tedious", "clumsy", "lifeless", "terrible", "bland",
@@ -57,12 +59,10 @@ def write_sst2_like(out_dir: str, n_train: int = 2000, n_dev: int = 400, seed: i
     os.makedirs(d, exist_ok=True)
     for split, n, s in (("train", n_train, seed), ("dev", n_dev, seed + 1)):
         path = os.path.join(d, f"{split}.tsv")
-        tmp = path + f".tmp{os.getpid()}"
-        with open(tmp, "w") as fh:
+        with atomic_open(path, "w") as fh:
             fh.write("sentence\tlabel\n")
             for text, y in make_split(n, s):
                 fh.write(f"{text}\t{y}\n")
-        os.replace(tmp, path)
     return out_dir
 
 
@@ -70,12 +70,9 @@ def write_corpus(path: str, n_docs: int = 300, seed: int = 0) -> str:
     """Unlabelled text (one sentence per line, blank line between documents) for general
     distillation in the demo."""
     rng = np.random.default_rng(seed + 7)
-    tmp = path + f".tmp{os.getpid()}"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(tmp, "w") as fh:
+    with atomic_open(path, "w") as fh:
         for _ in range(n_docs):
             for _ in range(int(rng.integers(3, 9))):
                 fh.write(sentence(rng, bool(rng.integers(2))) + "\n")
             fh.write("\n")
-    os.replace(tmp, path)
     return path

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from jax_tinybert import fsutil
+from jax_tinybert import fs
 from jax_tinybert.data import glue
 from jax_tinybert.progress import Progress
 
@@ -79,22 +79,14 @@ class EncodedDataset:
 
     def save_npz(self, path: str) -> None:
         """Atomic write (temp file in the same folder, then os.replace)."""
-        fsutil.clean_stale_temps(path)
-        # fsutil.mkstemp: mode per the umask like every other output (tempfile's is 0600).
-        fd, tmp = fsutil.mkstemp(path, suffix=".npz")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                arrays = dict(input_ids=self.input_ids, token_type_ids=self.token_type_ids,
-                              offsets=self.offsets, pad_id=np.int64(self.pad_id),
-                              num_truncated=np.int64(self.num_truncated))
-                if self.labels is not None:
-                    arrays["labels"] = self.labels
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        fs.clean_stale_temps(path)
+        arrays = dict(input_ids=self.input_ids, token_type_ids=self.token_type_ids,
+                      offsets=self.offsets, pad_id=np.int64(self.pad_id),
+                      num_truncated=np.int64(self.num_truncated))
+        if self.labels is not None:
+            arrays["labels"] = self.labels
+        with fs.atomic_open(path, "wb") as f:
+            np.savez(f, **arrays)
 
     @classmethod
     def load_npz(cls, path: str) -> "EncodedDataset":

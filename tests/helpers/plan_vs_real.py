@@ -1,5 +1,6 @@
-"""Run with N simulated CPU devices (argv[1]): the planner's numbers for a small case vs the real
-jitted train step built with real arrays, as jax_tinybert.train builds it. Prints JSON."""
+"""Run with N simulated CPU devices (argv[1]): the planner's numbers for a small case (abstract
+shapes) vs the same step built by `build.build_step` with real arrays on the mesh and run once.
+Prints JSON."""
 import json
 import os
 import sys
@@ -11,14 +12,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert import plan  # noqa: E402
+from jax_tinybert import build, plan  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
-from jax_tinybert import config_base, objectives, optim  # noqa: E402
-from jax_tinybert import step as step_lib  # noqa: E402
-from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,  # noqa: E402
-                                   init_params)
-from jax_tinybert.train import optim_cfg  # noqa: E402
-from jax_tinybert.train_state import TrainState  # noqa: E402
+from jax_tinybert.modeling import BertConfig, init_params  # noqa: E402
 
 tcfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=64, num_labels=2)
@@ -29,30 +25,25 @@ out = {}
 for name, spec in (("dp", {"data": -1}), ("fsdp", {"data": 1, "fsdp": -1})):
     p = plan.plan_one(tcfg, scfg, batch=B, seq_len=T, mesh_spec=spec, fsdp_min_size=1024)
 
-    # The real thing: real params on the mesh, the step as train.py builds it.
+    # The real thing: real params on the mesh, the step built by the build layer.
     mesh = shd.make_mesh(spec)
-    base = config_base.base_config()
-    ocfg = {k: v for k, v in base.objective.to_dict().items() if k != "name"}
-    obj = objectives.make_objective("tinybert_intermediate", ocfg, scfg, tcfg)
-    tx, schedule = optim.make_optimizer(optim_cfg(base), 10000)
-    student, teacher = BertForSequenceClassification(scfg), BertModel(tcfg)
-    params = {"student": init_params(student, jax.random.PRNGKey(1)),
-              "proj": obj.init_projection(jax.random.PRNGKey(2))}
-    abstract = jax.eval_shape(lambda q: TrainState.create(q, tx, jax.random.PRNGKey(0)), params)
-    ssh = shd.state_shardings(abstract, mesh, 1024)
-    state = jax.jit(lambda q: TrainState.create(q, tx, jax.random.PRNGKey(3)), out_shardings=ssh)(
-        shd.put_replicated(jax.device_get(params), mesh))
+    config = plan.plan_config(fsdp_min_size=1024)
+    obj = build.build_objective(config, scfg, tcfg)
+    student = build.student_module(config, scfg)
+    teacher = build.teacher_module(config, tcfg, classifier=False)
+    sparams = jax.device_get(init_params(student, jax.random.PRNGKey(1)))
     tparams = jax.device_get(init_params(teacher, jax.random.PRNGKey(0)))
-    tsh = shd.state_shardings(tparams, mesh, 1024)
-    tp = shd.put_sharded(tparams, tsh)
+    built = build.build_step(config, student=student, teacher=teacher, objective=obj,
+                             student_params=sparams, teacher_params=tparams, mesh=mesh,
+                             total_steps=10000)
+    state = built.init_state(sparams, seed=2)
+    tp = built.put_teacher(tparams)
     rng = np.random.default_rng(0)
     batch = {"input_ids": rng.integers(1, 512, (B, T)).astype(np.int32),
              "attention_mask": np.ones((B, T), np.int32),
              "token_type_ids": np.zeros((B, T), np.int32), "valid": np.ones(B, np.float32)}
     gbatch = shd.shard_batch(batch, mesh)
-    loss_fn = step_lib.make_loss_fn(student, teacher, obj)
-    f = step_lib.jit_train_step(step_lib.make_train_step(loss_fn, tx, schedule, mesh=mesh), ssh,
-                                tsh, mesh)
+    f = built.train_step
     compiled = f.lower(state, tp, gbatch).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -1,21 +1,30 @@
-"""Atomic-write helpers: temporaries named after their owner, stale ones cleaned, umask modes.
+"""File-system helpers: every file or folder the package writes appears complete or not at all.
 
-Every output that is written in several steps is first written to a hidden temporary beside its
-final path and renamed into place. The temporary's name records who writes it
-(`.<name>.tmp-<host>-<pid>-<random>`), so a later run can tell a temporary left by a killed
-process (same host, pid no longer alive) from one another process is still writing.
+    with atomic_open(path, "w") as fh: ...      # a file: temporary beside it, then os.replace
+    write_json_atomic(path, obj)                # the same for one JSON document
+    tmp = mkdtemp(out_dir); ...; swap_into_place(tmp, out_dir)   # a whole folder
+
+Temporaries are hidden and sit beside their final path (same file system, so the final rename
+is atomic); their name records who writes them (`.<name>.tmp-<host>-<pid>-<random>`), so a later
+run can tell a temporary left by a killed process (same host, pid no longer alive) from one
+another process is still writing (`clean_stale_temps`). Files and folders get the modes the
+umask gives (`open(path, "w")`'s), not tempfile's owner-only ones.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import shutil
 import socket
 import tempfile
 import time
-from typing import List
+import uuid
+from typing import IO, Any, Iterator, List
 
-__all__ = ["umask_mode", "mkstemp", "mkdtemp", "clean_stale_temps"]
+__all__ = ["umask_mode", "mkstemp", "mkdtemp", "clean_stale_temps", "atomic_open",
+           "write_json_atomic", "swap_into_place"]
 
 # Temporaries of other hosts (shared filesystem) cannot be checked by pid: those older than this
 # are taken as abandoned.
@@ -53,6 +62,46 @@ def mkdtemp(path: str) -> str:
     tmp = tempfile.mkdtemp(prefix=_prefix(name), dir=d)
     os.chmod(tmp, umask_mode(0o777))
     return tmp
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w", **open_kwargs) -> Iterator[IO]:
+    """An open temporary file beside `path` (`mkstemp`), renamed onto `path` when the block
+    ends without an exception and deleted otherwise. mode: "w" or "wb" (plus open() keywords,
+    e.g. encoding, newline)."""
+    fd, tmp = mkstemp(path)
+    try:
+        with os.fdopen(fd, mode, **open_kwargs) as fh:
+            yield fh
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str, obj: Any, **dump_kwargs) -> None:
+    """json.dump(obj) to `path` atomically (dump_kwargs: indent, sort_keys, default, ...)."""
+    with atomic_open(path, "w") as fh:
+        json.dump(obj, fh, **dump_kwargs)
+
+
+def swap_into_place(tmp: str, out_dir: str) -> None:
+    """Rename the complete folder tmp -> out_dir; an existing out_dir is moved aside first and
+    deleted afterwards (a reader sees the old folder or the new one, never a mix)."""
+    old = None
+    if os.path.exists(out_dir):
+        parent, name = os.path.split(out_dir)
+        old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:

