@@ -11,13 +11,18 @@ A file changed, shortened, missing or unreadable makes the step corrupt.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import glob
 import hashlib
 import json
+import logging
 import os
 from typing import Dict, Optional
 
-__all__ = ["DIGESTS", "write", "verify", "compute"]
+log = logging.getLogger(__name__)
+
+__all__ = ["DIGESTS", "Digester", "write", "verify", "compute"]
 
 DIGESTS = "digests.json"
 VERSION = 1
@@ -108,3 +113,39 @@ def verify(step_dir: str) -> Optional[str]:
     if bad:
         return f"{len(bad)} file(s) fail their sha256, e.g. {bad[0]}"
     return None
+
+
+class Digester:
+    """orbax post-finalization callback: hash the step just written into its digests.json.
+
+    Runs on process 0 in orbax's background thread, after every process has written its
+    shards and before the step's temporary folder is renamed into place, so a step that
+    exists under its final name always has its digests. orbax keeps one save in flight per
+    manager, so `pending` (steps in the order saves were started) names the step.
+    """
+
+    def __init__(self, directory: os.PathLike):
+        self.directory = directory
+        self.pending: collections.deque[int] = collections.deque()
+
+    def discard(self, step: int) -> None:
+        try:
+            self.pending.remove(step)
+        except ValueError:
+            pass
+
+    def __call__(self) -> None:
+        if not self.pending:
+            log.error("checkpoint digests: a save finished in %s but no step was pending",
+                      self.directory)
+            return
+        step = self.pending.popleft()
+        tmps = sorted(glob.glob(os.path.join(os.fspath(self.directory),
+                                             f"{step}.orbax-checkpoint-tmp*")),
+                      key=os.path.getmtime)
+        step_dir = tmps[-1] if tmps else os.path.join(os.fspath(self.directory), str(step))
+        try:
+            write(step_dir)
+        except Exception:  # noqa: BLE001 - the save itself succeeded; its restore will refuse it
+            log.exception("checkpoint digests: could not hash %s; this step will count as "
+                          "damaged when restoring", step_dir)

@@ -15,7 +15,6 @@ Use from the training loop (every process runs the same calls; orbax decides who
 
     ckpt = Checkpointer(workdir, max_to_keep=3, save_interval_steps=1000,
                         best_metric="accuracy", best_mode="max")
-    ckpt.install_sigterm_handler()               # optional: SIGTERM -> stop flag
     restored = ckpt.restore_latest(abstract_state)  # None on a fresh run
     if restored is not None:
         step, state, meta = restored
@@ -24,10 +23,10 @@ Use from the training loop (every process runs the same calls; orbax decides who
         ckpt.maybe_save(step, state, meta)       # async; only every save_interval_steps
         if eval_now:
             ckpt.save_best(step, state, meta, dev_accuracy)  # kept only if better
-        if ckpt.should_stop(step):               # collective: call at every step, all processes
+        if preemption.poll(step, metrics["loss"]):   # jax_tinybert/preemption.py
             ckpt.save(step, state, meta, force=True)
             ckpt.close()                         # waits for the async write
-            sys.exit(0)
+            raise Preempted(step)
     ckpt.save(last_step, state, meta, force=True)
     ckpt.close()
 
@@ -37,25 +36,22 @@ shape/dtype/sharding are used). The sharding given is the one the arrays are res
 so a state saved on 8 devices restores onto 1 device or onto another mesh.
 
 Returned values: `restore_latest` / `restore_best` -> `(step, state, meta)` or `None` when
-there is no checkpoint. A newest checkpoint that cannot be read (files missing or garbled,
-an unfinished step directory) is skipped with a `logging.warning` naming its step and moved
-to `checkpoints/corrupt_<step>` once an older one has been read successfully; if no
-checkpoint can be read at all, nothing is moved and the newest error is raised (a state
-that no longer matches the saved one, e.g. after a config change, fails that way instead of
-silently discarding good checkpoints).
+there is no (intact) checkpoint. Every file of a step is checked against the SHA-256 digests
+written when it was saved (checkpoint_digests.py), on every process, before orbax reads it:
+a damaged step (even one that would decode) or one orbax cannot read is skipped by all
+processes with a `logging.warning` naming it and moved to `corrupt_<step>`; if no checkpoint
+can be read and some failure was orbax's own, nothing readable is moved and the newest error
+is raised (a state that no longer matches the saved one, e.g. after a config change, fails
+that way instead of silently discarding good checkpoints).
 
-See docs/checkpoints.md for resume, preemption, corrupt fallback and mesh changes.
+See docs/checkpoints.md for resume, damage detection, preemption and mesh changes.
 """
 from __future__ import annotations
 
-import collections
-import glob
 import hashlib
 import json
 import logging
 import os
-import signal
-import threading
 from typing import Any, Mapping
 
 import jax
@@ -64,6 +60,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jax_tinybert import checkpoint_digests as digests
+from jax_tinybert.coordination import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +70,6 @@ __all__ = ["Checkpointer", "abstract_like"]
 # merely written by a version without digests).
 _DIGESTED = "_digested"
 
-# Coordination-service timeout for our own barriers (stop agreement, restore agreement).
-# Generous: a slow host may still be finishing a step or a restore when the others arrive.
-_BARRIER_TIMEOUT_MS = 10 * 60 * 1000
 
 
 def _json_default(x):
@@ -116,7 +110,7 @@ def abstract_like(tree, sharding=None):
 
 
 class Checkpointer:
-    """Periodic + best checkpoints of `(state, meta)` with corrupt fallback and preemption.
+    """Periodic + best checkpoints of `(state, meta)`, verified at restore, with fallback.
 
     Args:
       workdir: run directory; checkpoints go to `workdir/checkpoints`, the best to `workdir/best`.
@@ -126,18 +120,15 @@ class Checkpointer:
       best_metric: the metric's name (stored with the best checkpoint; informational).
       best_mode: "max" or "min".
       async_save: write in a background thread; `wait()` / `close()` block until done.
-      stop_check_every: in multi-process runs `should_stop` agrees across processes only on
-        steps that are multiples of this (each agreement is one barrier on the coordination
-        service); single-process runs check the flag at every step for free.
     """
 
     def __init__(self, workdir, *, max_to_keep: int | None = 3, save_interval_steps: int = 1000,
                  keep_best: bool = True, best_metric: str | None = None, best_mode: str = "max",
-                 async_save: bool = True, stop_check_every: int = 1):
+                 async_save: bool = True):
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
-        if save_interval_steps < 1 or stop_check_every < 1:
-            raise ValueError("save_interval_steps and stop_check_every must be >= 1")
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         # orbax refuses relative paths; users type relative ones (--workdir=runs/x).
         workdir = os.fspath(workdir)
         self.workdir = epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
@@ -145,29 +136,20 @@ class Checkpointer:
         self.keep_best = keep_best
         self.best_metric = best_metric or "metric"
         self.best_mode = best_mode
-        self.stop_check_every = int(stop_check_every)
         self._async = async_save
         # Per-run namespace for our coordination-service keys, so two Checkpointers in one
-        # job (e.g. two distillation stages) never share a barrier.
-        self._ns = "jtb_ckpt_" + hashlib.sha1(os.fspath(self.workdir).encode()).hexdigest()[:10]
-        self._sync_counter = 0
-        self._pending_delete: list[str] = []
-        self._stop_flag = threading.Event()   # set by the signal handler / request_stop
-        self._stopping = False                # sticky result of the agreement
-        self._checked: dict[int, bool] = {}
-        self._prev_sigterm = None
-        self._sigterm_installed = False
-        self._digesters: dict[int, _Digester] = {}
+        # job (e.g. two distillation stages) never share a barrier (restore agreement only).
+        self._coord = Coordinator(
+            "jtb_ckpt_" + hashlib.sha1(os.fspath(self.workdir).encode()).hexdigest()[:10])
+        self._digesters: dict[int, digests.Digester] = {}
 
         self._mngr = self._make_manager(
             self.workdir / "checkpoints",
             max_to_keep=max_to_keep,
             # No InitialSavePolicy: saves happen exactly on the interval (or when forced), so
             # the loop's behaviour does not depend on whether the directory was empty.
-            save_decision_policy=ocp.checkpoint_managers.AnySavePolicy([
-                ocp.checkpoint_managers.FixedIntervalPolicy(self.save_interval_steps),
-                ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
-            ]),
+            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(
+                self.save_interval_steps),
         )
         self._best_mngr = None
         self._best_value: float | None = None
@@ -180,7 +162,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ construction
     def _make_manager(self, directory, **options):
-        digester = _Digester(epath.Path(directory))
+        digester = digests.Digester(epath.Path(directory))
         async_options = (ocp.AsyncOptions(post_finalization_callback=digester)
                          if self._async else None)
         opts = ocp.CheckpointManagerOptions(
@@ -207,7 +189,7 @@ class Checkpointer:
             digester.discard(step)
             if jax.process_index() == 0:
                 digests.write(mngr.directory / str(step))
-            self._barrier("digests")
+            self._coord.barrier("digests")
         return saved
 
     def _read_best_value(self):
@@ -234,11 +216,6 @@ class Checkpointer:
     @property
     def best_value(self) -> float | None:
         return self._best_value
-
-    @property
-    def preempted(self) -> bool:
-        """This process got SIGTERM (or `request_stop`). Local only; see `should_stop`."""
-        return self._stop_flag.is_set()
 
     def all_steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
@@ -312,12 +289,11 @@ class Checkpointer:
             self._best_mngr.wait_until_finished()
 
     def close(self):
-        """`wait()`, then release orbax's threads. Also restores the previous SIGTERM handler."""
+        """`wait()`, then release orbax's threads."""
         self.wait()
         self._mngr.close()
         if self._best_mngr is not None:
             self._best_mngr.close()
-        self.uninstall_sigterm_handler()
 
     def __enter__(self):
         return self
@@ -347,7 +323,7 @@ class Checkpointer:
         """
         mngr = self._best_mngr if best else self._mngr
         problem = self._verify(mngr, int(step))
-        if self._any_process(problem is not None, f"verify_{int(step)}"):
+        if self._coord.any_process(problem is not None, f"verify_{int(step)}"):
             raise ValueError(f"checkpoint {mngr.directory / str(step)} is damaged: "
                              f"{problem or 'on another process'}")
         return self._restore_step(mngr, int(step), abstract_like(abstract_state))
@@ -395,7 +371,7 @@ class Checkpointer:
         bad: list[tuple[int, BaseException]] = []
         for step in steps:
             problem = self._verify(mngr, step)
-            if self._any_process(problem is not None, f"verify_{step}"):
+            if self._coord.any_process(problem is not None, f"verify_{step}"):
                 log.warning("checkpoint step %d in %s is damaged (%s); falling back to an earlier "
                             "checkpoint", step, mngr.directory, problem or "seen by another process")
                 damaged.append(step)
@@ -407,7 +383,7 @@ class Checkpointer:
                 err = e
             # All processes must take the same branch, or they would restore different steps
             # and hang in the next collective.
-            if not self._any_process(err is not None, f"restore_{step}"):
+            if not self._coord.any_process(err is not None, f"restore_{step}"):
                 self._quarantine(mngr, damaged + [s for s, _ in bad])
                 if damaged or bad:
                     log.warning("restored checkpoint step %d in %s instead of the newer, damaged "
@@ -448,143 +424,7 @@ class Checkpointer:
                     n += 1
                 src.rename(dst)
                 log.warning("moved damaged checkpoint step %d to %s", step, dst)
-        self._barrier("quarantine")
+        self._coord.barrier("quarantine")
         mngr.reload()
         if mngr is self._best_mngr:
             self._best_value = self._read_best_value()
-
-    # ------------------------------------------------------------------ preemption
-    def install_sigterm_handler(self):
-        """On SIGTERM set the stop flag (nothing else: the loop saves at a safe point).
-
-        Call from the main thread. It replaces the previous SIGTERM handler, including the
-        one JAX's preemption service installs in `jax.distributed.initialize`; agreement
-        across processes is then done by `should_stop`. `close()` puts the old one back.
-        """
-        def handler(signum, frame):
-            # Only an Event.set here: handlers run between bytecodes of the main thread,
-            # which may be inside orbax or jax; logging or I/O from here could deadlock.
-            self._stop_flag.set()
-
-        prev = signal.signal(signal.SIGTERM, handler)
-        if not self._sigterm_installed:
-            # None means a handler installed from C (JAX's preemption notifier): Python
-            # cannot put that back, so uninstalling falls back to the default action.
-            self._prev_sigterm = signal.SIG_DFL if prev is None else prev
-            self._sigterm_installed = True
-
-    def uninstall_sigterm_handler(self):
-        if self._sigterm_installed:
-            try:
-                signal.signal(signal.SIGTERM, self._prev_sigterm)
-            except ValueError:  # not the main thread
-                pass
-            self._sigterm_installed = False
-            self._prev_sigterm = None
-
-    def request_stop(self):
-        """Ask to stop as if SIGTERM had arrived (e.g. a wall-clock budget ran out)."""
-        self._stop_flag.set()
-
-    def should_stop(self, step: int) -> bool:
-        """True when the job should save and exit at this step; the same on all processes.
-
-        Call it at every step, on every process, with the same `step`. Single process: the
-        local flag. Several processes: on steps that are multiples of `stop_check_every`,
-        each process with the flag set writes a key to JAX's coordination service, all meet at
-        a barrier, and all read the keys, so a SIGTERM that reached one host stops every host
-        at the same step. JAX's own preemption sync point (orbax's `reached_preemption`) is
-        honoured too, for jobs that leave JAX's SIGTERM handler in place.
-        """
-        step = int(step)
-        if self._stopping:
-            return True
-        if step in self._checked:
-            return self._checked[step]
-        stop = self._mngr.reached_preemption(step)
-        if jax.process_count() == 1:
-            stop = stop or self._stop_flag.is_set()
-        elif step % self.stop_check_every == 0:
-            stop = self._any_process(self._stop_flag.is_set(), f"stop_{step}") or stop
-        self._checked = {step: stop}
-        if stop:
-            self._stopping = True
-            log.warning("stopping at step %d (preemption / stop request)", step)
-        return stop
-
-    # ------------------------------------------------------------------ multi-process sync
-    def _client(self):
-        from jax._src import distributed  # the coordination-service client; no public handle
-
-        client = distributed.global_state.client
-        if client is None:
-            raise RuntimeError("several JAX processes but no jax.distributed client")
-        return client
-
-    def _barrier(self, tag: str):
-        if jax.process_count() == 1:
-            return
-        self._sync_counter += 1
-        self._client().wait_at_barrier(f"{self._ns}_{tag}_{self._sync_counter}",
-                                       _BARRIER_TIMEOUT_MS)
-
-    def _any_process(self, flag: bool, tag: str) -> bool:
-        """Logical OR of `flag` over all processes, through the coordination service.
-
-        Host-side only (no device computation), so it never waits for queued device work.
-        """
-        if jax.process_count() == 1:
-            return bool(flag)
-        client = self._client()
-        self._sync_counter += 1
-        key = f"{self._ns}/{tag}_{self._sync_counter}/"
-        if flag:
-            client.key_value_set(key + str(jax.process_index()), "1", allow_overwrite=True)
-        client.wait_at_barrier(f"{self._ns}_{tag}_{self._sync_counter}", _BARRIER_TIMEOUT_MS)
-        result = bool(client.key_value_dir_get(key))
-        # Everyone has read the previous round's keys before reaching this round's barrier, so
-        # they can go now; without this the coordination service keeps one key per SIGTERM'd
-        # process per step for the rest of the run.
-        for k in self._pending_delete:
-            try:
-                client.key_value_delete(k)
-            except Exception:  # noqa: BLE001 - cleanup only
-                pass
-        self._pending_delete = [key + str(jax.process_index())] if flag else []
-        return result
-
-
-class _Digester:
-    """orbax post-finalization callback: hash the step just written into its digests.json.
-
-    Runs on process 0 in orbax's background thread, after every process has written its
-    shards and before the step's temporary folder is renamed into place, so a step that
-    exists under its final name always has its digests. orbax keeps one save in flight per
-    manager, so `pending` (steps in the order saves were started) names the step.
-    """
-
-    def __init__(self, directory: epath.Path):
-        self.directory = directory
-        self.pending: collections.deque[int] = collections.deque()
-
-    def discard(self, step: int) -> None:
-        try:
-            self.pending.remove(step)
-        except ValueError:
-            pass
-
-    def __call__(self) -> None:
-        if not self.pending:
-            log.error("checkpoint digests: a save finished in %s but no step was pending",
-                      self.directory)
-            return
-        step = self.pending.popleft()
-        tmps = sorted(glob.glob(os.path.join(os.fspath(self.directory),
-                                             f"{step}.orbax-checkpoint-tmp*")),
-                      key=os.path.getmtime)
-        step_dir = tmps[-1] if tmps else os.fspath(self.directory / str(step))
-        try:
-            digests.write(step_dir)
-        except Exception:  # noqa: BLE001 - the save itself succeeded; its restore will refuse it
-            log.exception("checkpoint digests: could not hash %s; this step will count as "
-                          "damaged when restoring", step_dir)

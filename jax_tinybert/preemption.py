@@ -29,8 +29,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,11 +44,15 @@ EXIT_CODE = 143
 
 
 class Preempted(Exception):
-    """Raised by the training loop after saving the step at which it stopped."""
+    """The run saved its state at `step` and stopped (SIGTERM or a stop request); rerunning
+    the same command resumes from there. `python -m jax_tinybert.main` exits with EXIT_CODE."""
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted: saved step {step}")
+    def __init__(self, step: int, workdir: str | None = None):
+        where = f" in {workdir}" if workdir else ""
+        super().__init__(f"preempted: saved step {step}{where}; rerun the same command to "
+                         "resume")
         self.step = int(step)
+        self.workdir = workdir
 
 
 class Preemption:

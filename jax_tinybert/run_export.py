@@ -105,6 +105,11 @@ def export_from_workdir(workdir: str, out: str, which: str = "best") -> str:
         got = ckpt.restore_best(abstract) if use_best else ckpt.restore_latest(abstract)
     finally:
         ckpt.close()
+    if got is None:  # every candidate failed its digests and was moved aside (logged)
+        raise FileNotFoundError(
+            f"{workdir}: the {'best' if use_best else 'latest'} checkpoint (step {step}) is "
+            f"damaged and was moved to {os.fspath(base)}/corrupt_{step}; "
+            + ("export --which=latest instead" if use_best else "nothing intact to export"))
     step, state, _ = got
     params = state["params"] if isinstance(state, dict) else state.params
     student = student_tree(params)

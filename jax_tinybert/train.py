@@ -9,6 +9,7 @@ exit code 143, and rerunning the same command resumes.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -30,18 +31,8 @@ from jax_tinybert.export import export_hf
 from jax_tinybert.fs import write_json_atomic
 from jax_tinybert.metrics_writer import MetricsWriter
 from jax_tinybert.modeling import count_params
+from jax_tinybert.preemption import Preempted, Preemption  # noqa: F401 (main.py: train.Preempted)
 from jax_tinybert.progress import Progress
-
-
-class Preempted(Exception):
-    """The run saved its state at `step` and stopped (SIGTERM or a stop request); rerunning
-    the same command resumes from there. `python -m jax_tinybert.main` exits with 143."""
-
-    def __init__(self, step: int, workdir: str):
-        super().__init__(f"preempted: saved step {step} in {workdir}; rerun the same command "
-                         "to resume")
-        self.step = step
-        self.workdir = workdir
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, Any]:
@@ -60,26 +51,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     ckpt = Checkpointer(workdir, max_to_keep=config.train.max_to_keep,
                         save_interval_steps=config.train.checkpoint_every,
                         keep_best=run.evaluates, best_metric="main", best_mode="max")
-    ckpt.install_sigterm_handler()
-    start_step, best = 0, None
+    preemption = Preemption().install()
+    start_step, best, past = 0, None, {}
     restored = ckpt.restore_latest(run.step.abstract_state)
     if restored is not None:
         start_step, state, meta = restored
         run.data.train_batches.load_state_dict(meta["data"])
         best = meta.get("best")
+        past = meta.get("history") or {}
         if is_main:
             print(f"resumed from step {start_step} in {workdir}", flush=True)
+    # The run so far (carried in each checkpoint's meta), so that summary.json covers every
+    # segment of a resumed run, and a finished run rerun in place keeps its history.
+    history = list(past.get("eval_history", []))
+    wall_before = _wall_before(workdir, start_step, past)
 
     # ----------------------------------------------------------------- loop
-    writer = MetricsWriter(workdir, enabled=is_main)
+    writer = MetricsWriter(workdir, enabled=is_main, start_step=start_step)
     if run.cache is not None and run.cache.build_stats:
         writer.write(start_step, run.cache.build_stats, prefix="teacher_cache")
     if is_main:
         _announce(run)
     log = _TrainLog(run, writer, start_step)
+    log.last = dict(past.get("last_train", {}))
     eval_every = config.train.eval_every or run.data.train_batches.steps_per_epoch
     fingerprint = config_fingerprint(config)[0]
-    history = []
     step = start_step
     while step < run.total_steps:
         batch = next(run.data.train_batches)
@@ -91,24 +87,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         step += 1
         log.step(step, batch, metrics)
         meta = {"data": run.data.train_batches.state_dict(), "best": best,
-                "config_fingerprint": fingerprint}
+                "config_fingerprint": fingerprint,
+                "history": {"eval_history": history, "last_train": log.last,
+                            "wall_s": wall_before + time.time() - t_start}}
         if run.evaluates and (step % eval_every == 0 or step == run.total_steps):
             ev = evaluate(run.step.eval_step, state.params["student"], run.data, run.mesh)
             best, improved = _track_best(step, ev, best, writer, history)
             meta["best"] = best
             if improved:
                 ckpt.save_best(step, state, meta, ev["main"])
-        _save_and_maybe_stop(ckpt, writer, step, run.total_steps, state, meta, workdir)
+        _save_and_maybe_stop(ckpt, preemption, writer, step, run.total_steps, state, metrics,
+                             meta, workdir)
     ckpt.wait()
+    preemption.uninstall()
 
     # ----------------------------------------------------------------- finish
-    final_params = state.params["student"]
+    final_params, export_step = state.params["student"], step
     if best is not None and best["step"] != step:
         got = ckpt.restore_best(run.step.abstract_state)
         if got is not None:
-            final_params = got[1].params["student"]
+            final_params, export_step = got[1].params["student"], got[0]
             if is_main:
                 print(f"exporting the best checkpoint (step {got[0]})", flush=True)
+        elif is_main:
+            print(f"the best checkpoint (step {best['step']}) is damaged or missing: "
+                  f"exporting the final state (step {step}) instead", flush=True)
     export_dir = _export(run, final_params, workdir) if config.export.enabled else None
     ckpt.close()
     summary = {"stage": config.stage, "objective": run.objective.name, "steps": step,
@@ -116,7 +119,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
                "student_params": count_params(run.models.student_params),
                "teacher_params": count_params(run.models.teacher_params)
                if run.models.teacher_params else 0,
-               "wall_s": time.time() - t_start, "export": export_dir, "task": run.data.task}
+               "wall_s": wall_before + time.time() - t_start, "export": export_dir,
+               "export_step": export_step if export_dir else None, "task": run.data.task}
     writer.close()
     if is_main:
         write_json_atomic(os.path.join(workdir, "summary.json"), summary, indent=1,
@@ -154,7 +158,8 @@ class _TrainLog:
         tc, total = self.run.config.train, self.run.total_steps
         self.examples += tc.batch_size
         self.tokens += int(batch["attention_mask"].sum()) * jax.process_count()
-        if not (step % tc.log_every == 0 or step == total or step == self.start_step + 1):
+        record = step % tc.log_every == 0 or step == total or step == 1
+        if not (record or step == self.start_step + 1):
             return
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         dt = time.time() - self.t_last
@@ -164,8 +169,9 @@ class _TrainLog:
         if not all(math.isfinite(v) for v in m.values()):
             raise FloatingPointError(f"non-finite metrics at step {step}: {m}; lower "
                                      "config.optim.learning_rate or check the data")
-        self.writer.write(step, m, prefix="train")
-        self.last = m
+        if record:
+            self.writer.write(step, m, prefix="train")
+            self.last = m
         if jax.process_index() == 0:
             terms = " ".join(f"{k}={v:.4g}" for k, v in m.items()
                              if k not in ("examples_per_s", "tokens_per_s", "lr", "grad_norm"))
@@ -188,20 +194,35 @@ def _track_best(step: int, ev: Dict[str, float], best: Optional[dict], writer: M
     return best, improved
 
 
-def _save_and_maybe_stop(ckpt: Checkpointer, writer: MetricsWriter, step: int, total: int,
-                         state, meta: dict, workdir: str) -> None:
-    """The periodic / final checkpoint; on a preemption, a final save and `Preempted`."""
+def _save_and_maybe_stop(ckpt: Checkpointer, preemption: Preemption, writer: MetricsWriter,
+                         step: int, total: int, state, metrics, meta: dict, workdir: str) -> None:
+    """The periodic / final checkpoint; on a preemption (agreed by every process, within a
+    step or two of the signal), a final save and `Preempted`."""
     if step == total:
         ckpt.save(step, state, meta, force=True)
     else:
         ckpt.maybe_save(step, state, meta)
-    if ckpt.should_stop(step):
+    if preemption.poll(step, metrics["loss"]):
         ckpt.save(step, state, meta, force=True)
         ckpt.close()
         writer.close()
+        preemption.uninstall()
         if jax.process_index() == 0:
             print(f"preempted: saved step {step}; rerun the same command to resume", flush=True)
         raise Preempted(step, workdir)
+
+
+def _wall_before(workdir: str, start_step: int, past: dict) -> float:
+    """Seconds spent by the earlier segments of this run: up to the restored checkpoint, or
+    the whole previous run when it had finished (its summary.json is at the same step)."""
+    try:
+        with open(os.path.join(workdir, "summary.json")) as fh:
+            done = json.load(fh)
+        if done.get("steps") == start_step and start_step > 0:
+            return float(done["wall_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return float(past.get("wall_s", 0.0))
 
 
 # --------------------------------------------------------------------------- eval and export

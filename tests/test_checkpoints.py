@@ -298,23 +298,6 @@ def test_nothing_readable_raises_and_moves_nothing(tmp_path):
     c.close()
 
 
-def test_preemption_poll_single_process():
-    from jax_tinybert.preemption import Preemption
-
-    step_fn = jax.jit(lambda x: x + 1)
-    x = jnp.zeros(4)
-    pre = Preemption()
-    stops = []
-    for step in range(1, 10):
-        x = step_fn(x)
-        if pre.poll(step, x):
-            stops.append(step)
-            break
-        if step == 4:
-            pre.request_stop()      # arrives while step 5 would be queued
-    assert pre.received and stops == [5] and pre.poll(6, x)  # sticky
-
-
 # ---------------------------------------------------------------------------- subprocesses
 
 _STATE_CODE = """

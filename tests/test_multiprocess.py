@@ -6,7 +6,8 @@ launch/local_multiprocess.sh and jax.distributed (gloo).
 - one process SIGKILLed mid-run: the other exits with an error within a bounded time (JAX's
   heartbeat timeout, set to 10 s with JTB_HEARTBEAT_TIMEOUT), not a hang; the same launch
   command then resumes the job from its last checkpoint and ends where the uninterrupted
-  2 x 4 job ends (state within 1e-6, losses within 1e-5);
+  2 x 4 job ends (state within 1e-6; metrics.jsonl, TensorBoard and summary.json equal apart
+  from timings);
 - a process that cannot reach the coordinator fails within --init_timeout with
   jax_tinybert.sharding.DistributedInitError naming the address.
 
@@ -131,18 +132,14 @@ def test_killed_process_fails_the_other_then_resume(setup, straight_2p, tmp_path
     seen = T.read_metrics(wd)
     assert max(seen) < STEPS, "the run finished before the kill: nothing was tested"
 
-    n_before = len((wd / "metrics.jsonl").read_text().splitlines())
     log0 = _launch(args, _env(cache), tmp_path / "logs_resumed")   # the same job again
     resumed = [l for l in log0.splitlines() if l.startswith("resumed from step ")]
     assert len(resumed) == 1, log0[-3000:]
     from_step = int(resumed[0].split()[3])
     assert from_step >= 10 and from_step % 5 == 0
-    lines = (wd / "metrics.jsonl").read_text().splitlines()[n_before:]
-    assert [json.loads(l)["step"] for l in lines if "train/loss" in l] == \
-        list(range(from_step + 1, STEPS + 1))
-    ref = _losses(straight_2p)
-    worst = max(abs(v - ref[s][0]) for s, vs in T.read_metrics(wd).items() for v in vs)
-    assert worst <= 1e-5, worst
+    # Outputs (metrics.jsonl, TensorBoard, summary.json) as the uninterrupted job's, apart
+    # from timings; final state within 1e-6 (2-process reductions).
+    T.assert_same_outputs(straight_2p, wd)
     d = T.max_abs_diff(T.restore_state(straight_2p, STEPS), T.restore_state(wd, STEPS))
     assert d <= 1e-6, d
 

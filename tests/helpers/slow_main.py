@@ -1,24 +1,49 @@
 """`python -m jax_tinybert.main`, throttled: each process sleeps JTB_TEST_STEP_SLEEP seconds
 (default 0.3) after every logged train step, so a test can signal a run mid-way at a known
 point (a tiny model otherwise finishes 20 steps in a fraction of a second). Nothing else changes:
-same flags, same env, same code path (`jax_tinybert.main.run()`)."""
+same flags, same env, same code path (`jax_tinybert.main.run()`).
+
+JTB_TEST_DEVICE_STEP_MATMULS=n instead makes each train step itself slow *on the device*: n
+extra 512x512 matmuls inside the jitted step (reported as the metric `device_work`), so the host
+can run ahead of the device the way it does on an accelerator (a host callback would not do:
+on CPU a step holding one runs inline, at dispatch)."""
 import os
 import time
 
 from jax_tinybert import main  # noqa: F401  (sets XLA_FLAGS from JTB_CPU_DEVICES first)
 from jax_tinybert import metrics_writer
+from jax_tinybert import step as step_lib
 
 _write = metrics_writer.MetricsWriter.write
 _SLEEP = float(os.environ.get("JTB_TEST_STEP_SLEEP", "0.3"))
-
+_DEVICE_MATMULS = int(os.environ.get("JTB_TEST_DEVICE_STEP_MATMULS", "0"))
 
 def write(self, step, metrics, prefix=""):
     _write(self, step, metrics, prefix)
-    if prefix == "train":
+    if prefix == "train" and not _DEVICE_MATMULS:
         time.sleep(_SLEEP)
 
 
 metrics_writer.MetricsWriter.write = write
+
+if _DEVICE_MATMULS:
+    import jax
+    import jax.numpy as jnp
+
+    _make_train_step = step_lib.make_train_step
+
+    def make_train_step(*args, **kwargs):
+        inner = _make_train_step(*args, **kwargs)
+
+        def step(state, teacher_params, batch):
+            new_state, metrics = inner(state, teacher_params, batch)
+            x = jnp.full((512, 512), new_state.step.astype(jnp.float32) * 1e-6 + 1 / 512)
+            x = jax.lax.fori_loop(0, _DEVICE_MATMULS, lambda i, y: jnp.tanh(y @ y), x)
+            return new_state, dict(metrics, device_work=x[0, 0])
+
+        return step
+
+    step_lib.make_train_step = make_train_step
 
 if __name__ == "__main__":
     main.run()

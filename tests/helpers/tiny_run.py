@@ -188,3 +188,51 @@ def read_tb(tb_dir):
             for v in ev.summary.value:
                 out.append((ev.step, v.tag, round(float(v.simple_value), 6)))
     return len(files), sorted(out)
+
+
+# Fields that measure time, not results: left out when comparing a resumed run with an
+# unbroken one.
+_TIMING_KEYS = ("time", "wall_s")
+_TIMING_SUFFIXES = ("examples_per_s", "tokens_per_s")
+
+
+def _timeless(d):
+    if isinstance(d, dict):
+        return {k: _timeless(v) for k, v in d.items()
+                if k not in _TIMING_KEYS and not k.endswith(_TIMING_SUFFIXES)
+                and not k.startswith("teacher_cache/")}
+    if isinstance(d, list):
+        return [_timeless(v) for v in d]
+    return d
+
+
+def outputs(workdir):
+    """A run's outputs apart from timings: metrics.jsonl records, TensorBoard scalars (and the
+    number of events files), summary.json."""
+    wd = pathlib.Path(workdir)
+    recs = [_timeless(json.loads(l)) for l in (wd / "metrics.jsonl").read_text().splitlines()
+            if l.strip()]
+    recs = [r for r in recs if set(r) != {"step"}]       # a timing-only record
+    n_tb, scalars = read_tb(wd / "tb")
+    scalars = [s for s in scalars if not s[1].endswith(_TIMING_SUFFIXES)
+               and not s[1].startswith("teacher_cache/")]
+    summary = _timeless(json.loads((wd / "summary.json").read_text()))
+    return {"metrics": recs, "tb_files": n_tb, "tb": scalars, "summary": summary}
+
+
+def assert_same_outputs(straight, resumed):
+    """The resumed run's outputs equal the unbroken run's, apart from timings (exactly)."""
+    a, b = outputs(straight), outputs(resumed)
+    assert b["tb_files"] == 1, f"{b['tb_files']} TensorBoard events files"
+    assert a["metrics"] == b["metrics"], _first_diff(a["metrics"], b["metrics"])
+    assert a["tb"] == b["tb"], _first_diff(a["tb"], b["tb"])
+    a_sum = {k: v for k, v in a["summary"].items() if k != "export"}
+    b_sum = {k: v for k, v in b["summary"].items() if k != "export"}
+    assert a_sum == b_sum, (a_sum, b_sum)
+
+
+def _first_diff(x, y):
+    for i, (u, v) in enumerate(zip(x, y)):
+        if u != v:
+            return f"first difference at {i}: {u} != {v}"
+    return f"lengths {len(x)} != {len(y)}"
