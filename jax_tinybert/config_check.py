@@ -267,6 +267,9 @@ def _model_folder(field: str, p: str, example: str) -> Optional[str]:
     missing = [] if os.path.exists(os.path.join(q, "config.json")) else ["config.json"]
     if not any(os.path.exists(os.path.join(q, w)) for w in WEIGHT_FILES):
         missing.append(" or ".join(WEIGHT_FILES))
+    if field == "teacher.path" and not any(os.path.exists(os.path.join(q, t))
+                                           for t in ("vocab.txt", "tokenizer.json")):
+        missing.append("tokenizer (vocab.txt or tokenizer.json)")
     if missing:
         raise PathError(f"config.{field}={p!r}: the folder has no {' and no '.join(missing)}; "
                         f"pass a model folder (a run's <workdir>/export), e.g. "

@@ -142,7 +142,9 @@ class Objective:
                 raise ObjectiveConfigError(
                     f"objective '{name}': student num_labels={student_config.num_labels} != "
                     f"teacher num_labels={teacher_config.num_labels}; both heads must predict "
-                    "the same labels")
+                    "the same labels: pass a teacher fine-tuned on this task "
+                    "(configs/finetune_teacher.py:<task>, then --config.teacher.path="
+                    "runs/<task>/teacher/export)")
         if name == "tinybert_pred" and self.is_regression and \
                 self.cfg["regression_target"] == "gold":
             if self.mode != "tinybert":

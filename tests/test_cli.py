@@ -130,6 +130,13 @@ def test_bad_inputs_print_one_line_and_the_corrected_rerun_works(cli):
                                          "--config.optim.learning_rate=1e-3"])),
                     "workdir runs/t holds a run of a different config (optim.learning_rate: "
                     "5e-05 -> 0.001)", "use a new --workdir")
+    # Extending the run (num_steps 2 -> 3) resumes, and says what happens to the schedule.
+    r = run(_with(FINETUNE, ["--config.data.glue_dir=glue_bad", "--config.data.skip_bad_rows=True",
+                             "--config.train.num_steps=3", "--config.train.log_every=5"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "num_steps 2 -> 3 changes the learning-rate schedule (warmup_linear, warmup_ratio " \
+           "0.1) from step 3 on" in r.stderr and "--config.train.num_steps=2" in r.stderr
+    assert "resumed from step 2" in r.stdout
 
 
 def test_pred_stage_without_a_fine_tuned_teacher(cli):

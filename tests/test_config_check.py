@@ -142,3 +142,47 @@ def test_schedule_change_on_resume_is_named(tmp_path, caplog):
     with pytest.raises(cc.ConfigValueError, match="optim.schedule"):
         cc.check_workdir(c, str(w))                  # the schedule itself is part of the result
     assert os.path.exists(w / "config.json")
+
+
+def test_paths_are_checked_with_the_field_and_a_fix(tmp_path, monkeypatch):
+    from jax_tinybert.errors import PathError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GLUE_DIR", raising=False)
+    c = config_base.base_config()
+    c.data.kind = "synthetic"
+    c.teacher.path = "runs/sst2/teacher/export"
+    with pytest.raises(PathError, match=r"config.teacher.path='runs/sst2/teacher/export': no such "
+                       r"folder \(relative to .*--config.teacher.path=runs/sst2/teacher/export"):
+        cc.validate_config(c)
+    (tmp_path / "t").mkdir()
+    c.teacher.path = "t"
+    with pytest.raises(PathError, match="config.teacher.path='t': the folder has no config.json "
+                       "and no model.safetensors or .* and no tokenizer"):
+        cc.validate_config(c)
+    c.teacher.path = "packaged"
+    c.data.kind = "glue"
+    with pytest.raises(PathError, match="no GLUE data for SST-2: set GLUE_DIR or "
+                       "--config.data.glue_dir"):
+        cc.validate_config(c)
+    c.data.glue_dir = "g"
+    with pytest.raises(PathError, match="--config.data.glue_dir=g: no such folder"):
+        cc.validate_config(c)
+    (tmp_path / "g").mkdir()
+    with pytest.raises(PathError, match="g/SST-2/train.tsv: no such file"):
+        cc.validate_config(c)
+    c.data.kind, c.data.corpus = "corpus", "texts,more.txt"
+    with pytest.raises(PathError, match="config.data.corpus: 'texts': no such file or folder"):
+        cc.validate_config(c)
+
+
+def test_logit_stages_need_a_fine_tuned_teacher():
+    c = config_base.base_config()
+    c.data.kind = "synthetic"
+    for name in ("tinybert_pred", "kd", "pkd"):
+        c.objective.name = name
+        with pytest.raises(UserError, match="'packaged' is the pre-trained MiniLM with no "
+                           "fine-tuned classifier head.*configs/finetune_teacher.py:sst2"):
+            cc.validate_config(c)
+    c.objective.name = "tinybert_intermediate"
+    cc.validate_config(c)
