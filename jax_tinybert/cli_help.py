@@ -21,6 +21,7 @@ STAGE_HELP = {
     "pkd": "Patient KD: a student cut from the teacher's layers, CE + KD + patience",
     "kd": "Hinton KD on the teacher's logits",
     "demo": "the whole recipe in minutes on a CPU (teacher, general, task distillation, table)",
+    "mlm_head": "fit a masked-LM head on an encoder that has none (for data augmentation)",
 }
 
 EXAMPLE = """\

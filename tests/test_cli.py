@@ -174,7 +174,8 @@ def test_help_lists_stages_configs_variants_and_fields(cli, how):
     out = r.stdout
     prog = "python -m jax_tinybert.main" if how == "module" else "jax-tinybert"
     assert f"usage: {prog} --config=CONFIG.py[:VARIANT] --workdir=DIR" in out
-    for stage in ("finetune_teacher", "general_distill", "task_distill", "pkd", "kd", "demo"):
+    for stage in ("finetune_teacher", "general_distill", "task_distill", "pkd", "kd", "demo",
+                  "mlm_head"):
         assert f"  {stage} " in out
     for cfg in ("configs/demo.py", "configs/finetune_teacher.py", "configs/general_distill.py",
                 "configs/pkd.py", "configs/task_distill.py"):
