@@ -70,19 +70,22 @@ def _fields() -> List[str]:
         items = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
                          for k, v in sub.items())
         lines += textwrap.wrap(f"{section}: {items}", 96, initial_indent="  ",
-                               subsequent_indent="      ")
+                               subsequent_indent="      ", break_on_hyphens=False,
+                               break_long_words=False)
     return lines
 
 
 def text(prog: str = "jax-tinybert") -> str:
     """The full help text."""
     w = lambda s, ind="  ", sub="      ": textwrap.fill(  # noqa: E731
-        s, 98, initial_indent=ind, subsequent_indent=sub)
+        s, 98, initial_indent=ind, subsequent_indent=sub, break_on_hyphens=False,
+        break_long_words=False)
     out = [
         f"{prog}: TinyBERT and Patient-KD distillation of BERT in JAX/Flax.",
         "",
         f"usage: {prog} --config=CONFIG.py[:VARIANT] --workdir=DIR [--config.SECTION.FIELD=VALUE ...]",
-        "       (the same as: python -m jax_tinybert.main ...)",
+        "       (the same as: " + ("jax-tinybert" if prog.startswith("python") else
+                                  "python -m jax_tinybert.main") + " ...)",
         "",
         "A run is one stage; the stage is a config file (and its variant). Rerunning the same",
         "command in the same --workdir resumes it; a finished stage exports <workdir>/export.",
