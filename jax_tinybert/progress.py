@@ -118,9 +118,7 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         elif self.elapsed >= 1.0:
-            u = self.unit
-            self._line(f"{_fmt_num(self.n, u)} {u} in {_fmt_time(self.elapsed)} "
-                       f"({_fmt_num(self.rate, u)} {u}/s)")
+            self._line(f"{self._q(self.n)} in {_fmt_time(self.elapsed)} ({self._q(self.rate)}/s)")
 
     def __enter__(self) -> "Progress":
         return self
@@ -129,15 +127,22 @@ class Progress:
         self.close()
 
     # -- output -----------------------------------------------------------------------------
+    def _q(self, x: float) -> str:
+        """A quantity with its unit: "1,234 ex", "2.5 MB"."""
+        s = _fmt_num(x, self.unit)
+        return s if self.unit == "B" else f"{s} {self.unit}"
+
     def _status(self, now: float) -> str:
-        u, dt = self.unit, now - self.t0
+        dt = now - self.t0
         rate = self.n / dt if dt > 0 else 0.0
-        s = f"{_fmt_num(self.n, u)}"
-        if self.total:
-            s += f"/{_fmt_num(self.total, u)} {u} ({100 * self.n / self.total:.0f}%)"
+        if not self.total:
+            s = self._q(self.n)
+        elif self.unit == "B":
+            s = f"{self._q(self.n)}/{self._q(self.total)} ({100 * self.n / self.total:.0f}%)"
         else:
-            s += f" {u}"
-        s += f" {_fmt_num(rate, u)} {u}/s"
+            s = (f"{_fmt_num(self.n, self.unit)}/{self._q(self.total)} "
+                 f"({100 * self.n / self.total:.0f}%)")
+        s += f" {self._q(rate)}/s"
         if self.total and rate > 0:
             s += f", ETA {_fmt_time(max(0.0, self.total - self.n) / rate)}"
         return s

@@ -1,6 +1,5 @@
 """jax_tinybert.progress: bars on a terminal, periodic plain lines with rate and ETA in a log."""
 import io
-import re
 
 import numpy as np
 
@@ -41,8 +40,8 @@ def test_plain_lines_are_periodic_and_bytes_are_scaled(monkeypatch):
     p.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 4, lines   # at 10 s, 20 s, 30 s + the closing line
-    assert lines[0] == "[pack corpus] 1.0 MB/20.0 MB B (5%) 100.0 kB B/s, ETA 3m10s", lines
-    assert re.fullmatch(r"\[pack corpus\] 3\.0 MB B in 30s \(100\.0 kB B/s\)", lines[-1]), lines
+    assert lines[0] == "[pack corpus] 1.0 MB/20.0 MB (5%) 100.0 kB/s, ETA 3m10s", lines
+    assert lines[-1] == "[pack corpus] 3.0 MB in 30s (100.0 kB/s)", lines
 
 
 def test_unknown_total_no_eta_and_quiet_short_phase():
