@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(BIN)/python -m pytest -q tests
 
+# WORKDIR=DIR: where the demo writes (default runs/demo). DEMO_ARGS: extra config overrides,
+# e.g. DEMO_ARGS="--config.demo_steps.teacher=40 --config.data.synthetic_train=500" (a smaller run).
 demo: install
-	$(BIN)/python -m jax_tinybert.main --config=configs/demo.py --workdir=$${WORKDIR:-runs/demo}
+	$(BIN)/python -m jax_tinybert.main --config=configs/demo.py --workdir=$${WORKDIR:-runs/demo} $(DEMO_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/step_throughput.py

@@ -1,10 +1,28 @@
-"""Shared fixtures: where ../shared and the packaged teacher live."""
+"""Shared fixtures: where ../shared and the packaged teacher live; one JAX compilation cache
+for the session."""
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# One persistent XLA compilation cache for this test session, this process and every subprocess
+# it starts (CLI runs, benchmarks): a program compiled by one test (same HLO) is loaded, not
+# recompiled, by the next. A new empty folder per session, so `make test` times stay those of a
+# fresh machine. Set before any test module imports JAX (JAX reads these at import).
+_OWN_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="jtb-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_XLA_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+def pytest_unconfigure(config):
+    if _OWN_XLA_CACHE:
+        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
 
 
 def _shared() -> pathlib.Path:
