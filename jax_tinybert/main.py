@@ -79,7 +79,12 @@ def _parse_flags(argv):
 
 def _check_workdir(workdir: str) -> None:
     if "://" in workdir:
-        return
+        # The run's own files (config, metrics, TensorBoard, caches, export) still go through
+        # local file APIs, which would write to a local folder named "gs:": refuse instead.
+        raise UserError(f"--workdir={workdir}: object-store URLs are not supported as a workdir "
+                        "yet (the outputs would go to a local folder named "
+                        f"{workdir.split('://')[0]}:); mount the bucket with gcsfuse and pass "
+                        "the mount path, e.g. --workdir=/mnt/gcs/run (docs/scaling.md)")
     if not workdir.strip():
         raise UserError("--workdir is empty; pass the folder for checkpoints, metrics and the "
                         "export, e.g. --workdir=runs/sst2/teacher")
