@@ -7,8 +7,8 @@ with relative paths:
 
 * `make demo` (the real target, its default relative WORKDIR=runs/demo), made small through the
   Makefile's DEMO_ARGS knob;
-* every command of the README's "The command line" block, in the README's order, then the
-  "Export" block. The commands are parsed FROM README.md (fenced block, `\\` continuations
+* every command of the README's "The command line" recipe block, in the README's order, then
+  the "Export" block. The commands are parsed FROM README.md (fenced block, `\\` continuations
   joined, `export VAR=...` lines applied, `$VAR` substituted), so editing the README changes
   this test; only small-size overrides (`--config.train.num_steps=...`, subsets, a tiny
   general-distillation student) are appended.
@@ -96,12 +96,13 @@ def parse_commands(block: str, env: dict):
 
 
 def readme_recipe():
-    """(env from the export lines, [argv]) of "The command line" + "Export" blocks."""
+    """(env from the export lines, [argv]) of the first fenced block of "The command line" (the
+    recipe; later blocks there are transcripts) and of "Export"."""
     text = README.read_text()
     env, cmds = {}, []
     for section in ("The command line", "Export"):
-        for block in fenced_blocks(text, section):
-            cmds += [c for c in parse_commands(block, env) if c[0] == "python"]
+        block = fenced_blocks(text, section)[0]
+        cmds += [c for c in parse_commands(block, env) if c[0] == "python"]
     return env, cmds
 
 
