@@ -33,7 +33,8 @@ from jax_tinybert import teacher_cache
 from jax_tinybert.config_check import ConfigValueError
 from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
 from jax_tinybert.hf import bert_params, load_pretrained
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, BertModel, init_params
+from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
+                                   init_classifier, init_params)
 from jax_tinybert.train_state import TrainState
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -105,7 +106,7 @@ def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
             raise ConfigValueError(f"config.student.teacher_layers={layers}: need 1-based teacher "
                                    f"layers in 1..{tcfg.num_hidden_layers}")
         scfg = tcfg.replace(num_hidden_layers=len(layers), num_labels=num_labels, id2label=None)
-        fresh = init_params(BertForSequenceClassification(scfg), rng)
+        fresh = {"classifier": init_classifier(scfg, rng)}
         tb = bert_params(tparams)
         enc = {str(i): tb["encoder"]["layer"][str(t - 1)] for i, t in enumerate(layers)}
         sparams = {"bert": {"embeddings": tb["embeddings"], "encoder": {"layer": enc},

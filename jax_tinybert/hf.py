@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_tinybert.errors import PathError, UserError
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, ConfigError,
-                                   init_params)
+                                   init_classifier, init_params)
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ def load_pretrained(path_or_name: str, *, for_classification: Optional[bool] = N
         log.warning("%s: no classifier weights for %d labels; initialising a new head "
                     "(seed %d): fine-tune before use", weights_path, config.num_labels, seed)
         classifier = jax.tree_util.tree_map(
-            np.asarray, init_params(model, jax.random.PRNGKey(seed))["classifier"])
+            np.asarray, init_classifier(config, jax.random.PRNGKey(seed)))
     else:
         classifier = _check_against(expected["classifier"], classifier, weights_path,
                                     "classifier")

@@ -488,6 +488,14 @@ def init_params(model: nn.Module, rng: Array, seq_len: int = 8) -> dict:
     return model.init(rng, ids, jnp.ones_like(ids), jnp.zeros_like(ids))["params"]
 
 
+def init_classifier(config: BertConfig, rng: Array) -> dict:
+    """A new classification head {"kernel": [D, num_labels], "bias": [num_labels]} with the
+    distribution `init_params` gives it (N(0, initializer_range), zero bias), without building
+    the encoder (a full random init of a 30k-row vocabulary costs seconds on a CPU)."""
+    head = nn.Dense(config.num_labels, kernel_init=_dense_init(config), name="classifier")
+    return head.init(rng, jnp.zeros((1, config.hidden_size), jnp.float32))["params"]
+
+
 def count_params(params) -> int:
     """Number of scalars in a parameter tree."""
     return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))

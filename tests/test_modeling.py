@@ -273,3 +273,25 @@ def test_pytorch_bin_and_msgpack_and_old_names(teacher_dir, teacher, tmp_path):
     _, p3 = jtb.load_pretrained(str(d))
     for a, b in zip(jax.tree_util.tree_leaves(p2), jax.tree_util.tree_leaves(p3)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_classifier_matches_the_full_init_distribution():
+    """init_classifier: the head init_params would give (shape, N(0, 0.02), zero bias), seeded,
+    without initialising the encoder."""
+    import jax
+    import numpy as np
+
+    from jax_tinybert.modeling import BertConfig, init_classifier
+
+    cfg = BertConfig(vocab_size=50, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
+                     intermediate_size=32, num_labels=40)
+    a = init_classifier(cfg, jax.random.PRNGKey(3))
+    b = init_classifier(cfg, jax.random.PRNGKey(3))
+    c = init_classifier(cfg, jax.random.PRNGKey(4))
+    assert a["kernel"].shape == (256, 40) and a["bias"].shape == (40,)
+    np.testing.assert_array_equal(a["kernel"], b["kernel"])
+    assert not np.allclose(a["kernel"], c["kernel"])
+    np.testing.assert_array_equal(a["bias"], np.zeros(40))
+    k = np.asarray(a["kernel"])
+    assert abs(k.std() - cfg.initializer_range) < 0.1 * cfg.initializer_range, k.std()
+    assert abs(k.mean()) < 0.1 * cfg.initializer_range
