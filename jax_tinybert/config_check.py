@@ -332,7 +332,8 @@ def check_paths(config) -> None:
             f"{task} --workdir=runs/{task}/teacher) and pass its export: "
             f"--config.teacher.path=runs/{task}/teacher/export")
     sdir = None
-    if config.student.init == "pretrained" and config.student.path:
+    if config.student.init == "pretrained" and config.student.path and \
+            config.student.path != config_base.PACKAGED_TEACHER:
         sdir = _model_folder("student.path", str(config.student.path), "runs/general/export")
     for folder in (tdir, sdir):
         n = _max_positions(folder) if folder else None
