@@ -100,6 +100,7 @@ def run_cli(config: str, workdir: str, overrides: List[str], log_path: str) -> d
         for line in p.stdout:
             t = time.perf_counter() - t0
             log.write(f"{t:9.2f} {line}")
+            log.flush()
             tail = (tail + [line.rstrip()])[-30:]
             s = line.strip()
             if "teacher cache" in s and "cache_start" not in marks:
@@ -278,8 +279,8 @@ def summarise(res: dict) -> List[dict]:
                          "ours_detail": f"{r['steps']} steps, whole process",
                          "ref_s": ref, "ref_detail": f"{ref_name}: {n_off} x {ref_step:.3f} s",
                          "ratio": ref / r["wall_s"], "target": TARGETS[key]})
-        peak = max(max(d["matmul_peak"]["jax_flop_s"], d["matmul_peak"].get("torch_flop_s", 0))
-                   for d in t["step_bench"])
+        peak = max((max(d["matmul_peak"]["jax_flop_s"], d["matmul_peak"].get("torch_flop_s", 0))
+                    for d in t["step_bench"]), default=None)
         for stage, off_key in (("tinybert_pred", "prediction"),
                                ("tinybert_intermediate", "intermediate"), ("finetune", None)):
             rs = steps.get(stage)
@@ -298,6 +299,8 @@ def summarise(res: dict) -> List[dict]:
                 rows.append({"task": task, "what": f"step {short}, T={t['seq']}", "ours_s": ours_s,
                              "ours_detail": "", "ref_s": tor, "ref_detail": "PyTorch reference",
                              "ratio": tor / ours_s, "target": TARGETS["step_vs_torch"]})
+            if not peak:
+                continue
             pct = 100 * gflop * 1e9 / ours_s / peak
             rows.append({"task": task, "what": f"step {short}, T={t['seq']}: % of best matmul",
                          "ours_s": ours_s, "ours_detail": f"{gflop / ours_s:.0f} GFLOP/s",
