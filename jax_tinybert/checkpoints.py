@@ -3,9 +3,11 @@
 Layout under `workdir`::
 
     workdir/checkpoints/<step>/{state,meta}/   the last `max_to_keep` periodic saves
-    workdir/checkpoints/corrupt_<step>/        a newest save found unreadable, moved aside
+    workdir/checkpoints/<step>/digests.json    SHA-256 of every file of the step
+    workdir/checkpoints/corrupt_<step>/        a save found damaged or unreadable, moved aside
     workdir/best/<step>/{state,meta,metrics}/  the best save by a dev metric (kept apart, so
                                               pruning of the periodic saves never touches it)
+    workdir/best/corrupt_<step>/               a damaged best save, moved aside
 
 Each save holds `state` (a pytree of jax arrays, e.g. `TrainState`; arrays may be sharded
 `NamedSharding` arrays spread over several processes) and `meta` (a JSON dict: data iterator

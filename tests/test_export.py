@@ -207,3 +207,20 @@ def test_export_from_workdir(tmp_path, which):
         np.testing.assert_array_equal(a, b)
     assert c2.hidden_size == 64 and c2.num_hidden_layers == 2 and c2.num_attention_heads == 4
     assert "vocab.txt" in os.listdir(out)
+
+
+def test_export_of_a_damaged_best_checkpoint_is_refused(tmp_path):
+    """A best checkpoint whose data no longer matches its digests is moved aside and the
+    export names it and the way out, instead of exporting wrong weights."""
+    config = _small_config(2)
+    _fake_run(tmp_path / "run", _random_params(config))
+    data = max((p for p in (tmp_path / "run" / "best" / "5" / "state").rglob("*")
+                if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(FileNotFoundError, match=r"best checkpoint \(step 5\) is damaged.*"
+                                                r"--which=latest"):
+        run_export.export_from_workdir(str(tmp_path / "run"), str(tmp_path / "out"), "best")
+    assert (tmp_path / "run" / "best" / "corrupt_5").is_dir()
+    assert not (tmp_path / "out").exists()
