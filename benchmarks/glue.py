@@ -257,10 +257,7 @@ def run_task(args, b: dict, task: str, general_export: str) -> dict:
     # Plain KD from the same general-distilled student (configs: task_distill base + kd).
     c = _load_config("task_distill", f"{task}_pred")
     c.stage = "kd"
-    c.objective.name = "kd"
-    c.objective.temperature = 2.0
-    c.objective.alpha = 0.5
-    c.objective.t2 = True
+    c.objective.name = "kd"          # T, alpha, t2: KD's own defaults (objectives.KD)
     o = {**common_overrides(args, b, task, "kd"), "teacher.path": teacher_export,
          "student.path": general_export}
     res["kd"] = _run(_set(c, o), os.path.join(tdir, "kd"))
@@ -403,8 +400,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
                       os.path.join(tdir, "pkd"))
 
     c = _load_config("task_distill", f"{task}_pred")
-    c.stage, c.objective.name = "kd", "kd"
-    c.objective.temperature, c.objective.alpha, c.objective.t2 = 2.0, 0.5, True
+    c.stage, c.objective.name = "kd", "kd"   # T, alpha, t2: KD's own defaults
     res["kd"] = _run(_set(c, {**_cpu_common(args, task, se, lr["kd"]), **init}),
                      os.path.join(tdir, "kd"))
 

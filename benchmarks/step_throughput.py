@@ -16,7 +16,7 @@ Teacher deterministic and live (no teacher cache), student dropout on.
     .venv/bin/python benchmarks/step_throughput.py --smoke              # tiny models, seconds (CI)
 
 Stage "finetune" trains the teacher itself (student = teacher); it is run once per teacher.
-The script re-executes itself with the glibc malloc settings of DESIGN.md section 7 when they are
+The script re-executes itself with the glibc malloc settings of the Makefile (MALLOC_*) when they are
 not already in the environment (they must be set before Python starts).
 """
 from __future__ import annotations

@@ -13,12 +13,13 @@ Data: by default a synthetic SST-2-style sentiment set the project generates its
 --config.data.kind=glue --config.data.glue_dir=...) the same config runs on real SST-2 (use
 --config.data.train_subset to bound the time) and --config.data.corpus=... for real text.
 """
-from jax_tinybert.config_base import base_config
+import os
+
+from jax_tinybert.config_base import base_config, parse_variant
 
 
 def get_config(arg: str = ""):
-    import os
-
+    parse_variant(arg, "configs/demo.py", default="", names=())
     c = base_config()
     c.stage = "demo"
     c.data.kind = "glue" if os.environ.get("GLUE_DIR") else "synthetic"

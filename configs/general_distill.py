@@ -12,7 +12,7 @@ gets 0:0,1:2,2:3,3:5,4:6; other pairs: --config.objective.layer_map=0:0,1:2,2:3,
 recipe: batch 256, lr 1e-4, length 128, 3 epochs; `--config.objective.mode=tinybert` gives the
 official reductions (the maintainers' trace: attention 28.8 -> 7.7, hidden 2.0 -> 1.1).
 """
-from jax_tinybert.config_base import base_config
+from jax_tinybert.config_base import base_config, parse_variant
 
 SHAPES = {"tinybert4": (4, 312, 1200, 12), "tinybert6": (6, 768, 3072, 12),
           "small": (3, 384, 1536, 12)}
@@ -26,12 +26,9 @@ def get_config(arg: str = "small"):
     c.data.corpus = ""
     c.data.seq_len = 128
     c.student.init = "random"
-    arg = arg or "small"
-    if arg not in SHAPES:
-        raise ValueError(f"configs/general_distill.py: unknown variant {arg!r}; expected one of "
-                         f"{sorted(SHAPES)}")
+    shape, _ = parse_variant(arg, "configs/general_distill.py", default="small", names=SHAPES)
     (c.student.num_hidden_layers, c.student.hidden_size, c.student.intermediate_size,
-     c.student.num_attention_heads) = SHAPES[arg]
+     c.student.num_attention_heads) = SHAPES[shape]
     c.optim.learning_rate = 1e-4
     c.optim.schedule = "warmup_linear"
     c.train.batch_size = 256

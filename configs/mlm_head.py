@@ -15,10 +15,11 @@ reports the masked-token accuracy on held-out corpus sequences (never trained on
 """
 import ml_collections
 
-from jax_tinybert.config_base import base_config
+from jax_tinybert.config_base import base_config, parse_variant
 
 
 def get_config(arg: str = ""):
+    parse_variant(arg, "configs/mlm_head.py", default="", names=())  # the encoder: config.mlm
     c = base_config()
     c.stage = "mlm_head"
     c.mlm = ml_collections.ConfigDict(dict(

@@ -15,14 +15,12 @@ intermediate lr 5e-5 constant, ~10-20 epochs on augmented data (--config.data.tr
 .../train_aug.tsv); pred lr 3e-5, warmup 10% + linear decay, 3 epochs, T = 1.
 `--config.objective.mode=tinybert --config.optim.name=bertadam` reproduces the official code.
 """
-from jax_tinybert.config_base import base_config, task_lengths
+from jax_tinybert.config_base import base_config, parse_variant, task_lengths
 
 
 def get_config(arg: str = "sst2_intermediate"):
-    task, _, phase = (arg or "sst2_intermediate").rpartition("_")
-    if phase not in ("intermediate", "pred") or not task:
-        raise ValueError(f"configs/task_distill.py: variant {arg!r} must be '<task>_intermediate' "
-                         "or '<task>_pred', e.g. sst2_intermediate")
+    task, phase = parse_variant(arg, "configs/task_distill.py", default="sst2_intermediate",
+                                suffixes=("intermediate", "pred"), suffix_required=True)
     c = base_config()
     c.stage = "task_distill"
     c.data.task = task
@@ -36,8 +34,7 @@ def get_config(arg: str = "sst2_intermediate"):
         c.optim.warmup_ratio = 0.0
         c.train.num_epochs = 10.0
     else:
-        c.objective.name = "tinybert_pred"
-        c.objective.temperature = 1.0
+        c.objective.name = "tinybert_pred"   # T = 1: the objective's default, as official
         c.optim.learning_rate = 3e-5
         c.optim.schedule = "warmup_linear"
         c.optim.warmup_ratio = 0.1

@@ -1,6 +1,6 @@
 """jax_tinybert: TinyBERT and Patient-KD distillation of BERT in JAX/Flax.
 
-The functional API (DESIGN.md section 4):
+The functional API (docs/design.md has the map of the package):
 
     import jax_tinybert as jtb
     config, params = jtb.load_pretrained(path_or_name)

@@ -169,7 +169,7 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
     if dc.kind == "corpus":
         if not dc.corpus:
             raise ConfigValueError("config.data.kind='corpus' needs config.data.corpus: text files "
-                                   "or folders (e.g. ../shared/data/corpus)")
+                                   "or folders (e.g. data/corpus)")
         files = [p for p in str(dc.corpus).split(",") if p]
         ds = corpus.build_packed_corpus(files, tok, dc.seq_len, cache_dir=cache_dir,
                                         mode=dc.corpus_mode)
@@ -209,15 +209,25 @@ def build_objective(config, student_config: BertConfig,
     return objectives.make_objective(config.objective.name, cfg, student_config, teacher_config)
 
 
+def with_defaults(config):
+    """A copy of `config` whose objective and optimizer fields left at None hold the defaults
+    the named objective / optimizer declares (the values the run uses; config.json records them).
+    Unknown names are left for config_check to report."""
+    c = config.copy_and_resolve_references()
+    obj = objectives.REGISTRY.get(c.objective.name)
+    opt = optim.defaults(c.optim.name) if c.optim.name in optim.OPTIMIZERS else None
+    for block, defaults in ((c.objective, obj.defaults if obj else None), (c.optim, opt)):
+        for key in list(block.keys()) if defaults else ():
+            if block[key] is None and key in defaults:
+                with block.ignore_type():
+                    block[key] = defaults[key]
+    return c
+
+
 def optimizer_config(config) -> dict:
-    """config.optim, with each clipping option given only to the optimizer that has it
-    (global-norm clip for adamw, per-tensor clip for bertadam)."""
-    d = config.optim.to_dict()
-    if d["name"] == "bertadam":
-        d["clip_norm"] = None
-    else:
-        d["grad_clip_per_tensor"] = None
-    return d
+    """config.optim as make_optimizer takes it: fields left at None take the optimizer's
+    defaults (so each clipping option reaches only the optimizer that has it)."""
+    return {k: v for k, v in config.optim.to_dict().items() if v is not None}
 
 
 def build_optimizer(config, total_steps: int) -> Tuple[optax.GradientTransformation, Callable]:

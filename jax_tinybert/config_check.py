@@ -18,6 +18,7 @@ import numpy as np
 from jax_tinybert import config_base, layer_maps, losses, objectives, optim
 from jax_tinybert.data import glue
 from jax_tinybert.errors import PathError, UserError
+from jax_tinybert.hf import WEIGHT_FILES, resolve_path
 
 # Fields that do not change the trained model: a run may resume with other values.
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
@@ -250,8 +251,6 @@ def _looks_local(p: str) -> bool:
 def _model_folder(field: str, p: str, example: str) -> Optional[str]:
     """The local folder `p` after checking it holds a model (a hub name is downloaded)."""
     if not _looks_local(p):
-        from jax_tinybert.hf import resolve_path
-
         try:
             return resolve_path(p)
         except PathError as e:
@@ -262,8 +261,6 @@ def _model_folder(field: str, p: str, example: str) -> Optional[str]:
             f"no such folder (relative to {os.getcwd()})"
         raise PathError(f"config.{field}={p!r}: {what}; pass a model folder holding config.json "
                         f"and model.safetensors, e.g. --config.{field}={example}")
-    from jax_tinybert.hf import WEIGHT_FILES
-
     missing = [] if os.path.exists(os.path.join(q, "config.json")) else ["config.json"]
     if not any(os.path.exists(os.path.join(q, w)) for w in WEIGHT_FILES):
         missing.append(" or ".join(WEIGHT_FILES))

@@ -2,7 +2,7 @@
 
 Reads `model.safetensors`, `pytorch_model.bin` (torch.load with weights_only=True, never plain
 pickle) or `flax_model.msgpack` from an HF folder; a hub name goes through `huggingface_hub`.
-PyTorch -> Flax is a rename plus a transpose of Linear weights (DESIGN.md section 7).
+PyTorch -> Flax is a rename plus a transpose of Linear weights (see params_to_torch_state_dict).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Student -> teacher layer mappings g(m) (DESIGN.md section 5).
+"""Student -> teacher layer mappings g(m) (docs/losses.md).
 
 Layers are 1-based; hidden layer 0 is the embedding output. A `LayerMap` holds two lists of
 (student, teacher) pairs: `attention` (layers >= 1, attention scores exist only there) and

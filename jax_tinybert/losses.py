@@ -1,4 +1,4 @@
-"""Distillation loss terms: pure, jit-friendly functions of arrays (DESIGN.md section 5).
+"""Distillation loss terms: pure, jit-friendly functions of arrays (docs/losses.md).
 
 Every term takes `mode`:
 

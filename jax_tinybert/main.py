@@ -40,8 +40,8 @@ import ml_collections  # noqa: E402
 from absl import app, flags, logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from jax_tinybert import (cli_diagnose, cli_help, config_check, mlm_head, pipeline,  # noqa: E402
-                          sharding, train)
+from jax_tinybert import (build, cli_diagnose, cli_help, config_check, mlm_head,  # noqa: E402
+                          pipeline, sharding, train)
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -111,6 +111,8 @@ def main(argv):
         # Its own schema (config.mlm.*), checked by mlm_head.fit before anything is written.
         mlm_head.fit(config, FLAGS.workdir)
         return
+    # Objective / optimizer fields left at None take the named one's defaults.
+    config = build.with_defaults(config)
     # Every field's range, before anything is written (the demo's stages check again).
     config_check.validate_config(config)
     try:

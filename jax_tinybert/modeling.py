@@ -182,10 +182,25 @@ def _dense_init(config: BertConfig):
     return nn.initializers.normal(stddev=config.initializer_range)
 
 
-class BertEmbeddings(nn.Module):
+class _BertModule(nn.Module):
+    """What every BERT sub-module shares: its config, compute dtype and parameter dtype, and
+    the Dense / LayerNorm layers built from them (HF's init and epsilon)."""
+
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+
+    def _dense(self, features: int, name: str) -> nn.Dense:
+        return nn.Dense(features, kernel_init=_dense_init(self.config), dtype=self.dtype,
+                        param_dtype=self.param_dtype, name=name)
+
+    def _layer_norm(self, name: str = "LayerNorm") -> nn.LayerNorm:
+        return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype,
+                            param_dtype=self.param_dtype, name=name)
+
+
+class BertEmbeddings(_BertModule):
+    """Word + position + token-type embeddings, LayerNorm, dropout -> [B, T, D]."""
 
     @nn.compact
     def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool = True):
@@ -198,24 +213,19 @@ class BertEmbeddings(nn.Module):
                        name="position_embeddings")(position_ids)
         tok = nn.Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, dtype=self.dtype,
                        param_dtype=self.param_dtype, name="token_type_embeddings")(token_type_ids)
-        h = word + pos + tok
-        h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype,
-                         name="LayerNorm")(h)
+        h = self._layer_norm()(word + pos + tok)
         return nn.Dropout(rate=c.hidden_dropout_prob)(h, deterministic=deterministic)
 
 
-class BertSelfAttention(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class BertSelfAttention(_BertModule):
+    """Multi-head self-attention (query/key/value); also returns the pre-softmax logits."""
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True):
         """h [B, T, D], mask_bias [B, 1, 1, T] additive -> (context [B, T, D], logits [B, H, T, T])."""
         c = self.config
         B, T, _ = h.shape
-        dense = lambda name: nn.Dense(c.hidden_size, kernel_init=_dense_init(c), dtype=self.dtype,
-                                      param_dtype=self.param_dtype, name=name)
+        dense = lambda name: self._dense(c.hidden_size, name)
         split = lambda x: x.reshape(B, T, c.num_attention_heads, c.head_dim)
         q, k, v = split(dense("query")(h)), split(dense("key")(h)), split(dense("value")(h))
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
@@ -229,25 +239,27 @@ class BertSelfAttention(nn.Module):
         return ctx.reshape(B, T, c.hidden_size), logits
 
 
-class BertSelfOutput(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class _ResidualOutput(_BertModule):
+    """dense -> dropout -> LayerNorm(x + residual): the output block after attention and FFN."""
 
     @nn.compact
     def __call__(self, x, residual, deterministic: bool = True):
-        c = self.config
-        x = nn.Dense(c.hidden_size, kernel_init=_dense_init(c), dtype=self.dtype,
-                     param_dtype=self.param_dtype, name="dense")(x)
-        x = nn.Dropout(rate=c.hidden_dropout_prob)(x, deterministic=deterministic)
-        return nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype,
-                            param_dtype=self.param_dtype, name="LayerNorm")(x + residual)
+        x = self._dense(self.config.hidden_size, "dense")(x)
+        x = nn.Dropout(rate=self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+        return self._layer_norm()(x + residual)
 
 
-class BertAttention(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class BertSelfOutput(_ResidualOutput):
+    """attention/output: projects the attention context [B, T, D], adds the layer input."""
+
+
+class BertFFNOutput(_ResidualOutput):
+    """output (HF's BertOutput, named apart from our model output): projects the intermediate
+    activations [B, T, d_ff] back to D and adds the attention output."""
+
+
+class BertAttention(_BertModule):
+    """Self-attention + its output block -> (h [B, T, D], attention logits [B, H, T, T])."""
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True):
@@ -258,10 +270,8 @@ class BertAttention(nn.Module):
         return out, logits
 
 
-class BertLayer(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class BertLayer(_BertModule):
+    """One transformer layer: attention, then the feed-forward block."""
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True):
@@ -271,22 +281,18 @@ class BertLayer(nn.Module):
             h, mask_bias, deterministic)
         # Names as HF: intermediate/dense, then output/dense + output/LayerNorm.
         inter = _Intermediate(c, self.dtype, self.param_dtype, name="intermediate")(a)
-        out = BertSelfOutput(c, self.dtype, self.param_dtype, name="output")(
+        out = BertFFNOutput(c, self.dtype, self.param_dtype, name="output")(
             inter, a, deterministic)
         return out, logits
 
 
-class _Intermediate(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class _Intermediate(_BertModule):
+    """The FFN's up-projection and activation: [B, T, D] -> [B, T, d_ff]."""
 
     @nn.compact
     def __call__(self, x):
-        c = self.config
-        x = nn.Dense(c.intermediate_size, kernel_init=_dense_init(c), dtype=self.dtype,
-                     param_dtype=self.param_dtype, name="dense")(x)
-        return _ACTIVATIONS[c.hidden_act](x)
+        x = self._dense(self.config.intermediate_size, "dense")(x)
+        return _ACTIVATIONS[self.config.hidden_act](x)
 
 
 LayerSelection = Union[bool, Iterable[int], None]
@@ -306,10 +312,9 @@ def _selected_layers(select: LayerSelection, n: int) -> frozenset:
     return sel
 
 
-class BertLayerCollection(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class BertLayerCollection(_BertModule):
+    """The layers 0..L-1 (optionally rematerialised) -> all hidden states and asked-for logits."""
+
     remat: bool = False
 
     @nn.compact
@@ -326,10 +331,9 @@ class BertLayerCollection(nn.Module):
         return tuple(hidden), tuple(logits)
 
 
-class BertEncoder(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class BertEncoder(_BertModule):
+    """HF's `encoder` scope around the layer collection."""
+
     remat: bool = False
 
     @nn.compact
@@ -338,16 +342,12 @@ class BertEncoder(nn.Module):
                                    name="layer")(h, mask_bias, deterministic, attention_layers)
 
 
-class BertPooler(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class BertPooler(_BertModule):
+    """tanh(dense([CLS])) -> [B, D]."""
 
     @nn.compact
     def __call__(self, h):
-        x = nn.Dense(self.config.hidden_size, kernel_init=_dense_init(self.config),
-                     dtype=self.dtype, param_dtype=self.param_dtype, name="dense")(h[:, 0])
-        return jnp.tanh(x)
+        return jnp.tanh(self._dense(self.config.hidden_size, "dense")(h[:, 0]))
 
 
 def _default_inputs(input_ids, attention_mask, token_type_ids):
@@ -358,7 +358,7 @@ def _default_inputs(input_ids, attention_mask, token_type_ids):
     return attention_mask, token_type_ids
 
 
-class BertModel(nn.Module):
+class BertModel(_BertModule):
     """The BERT encoder (+ pooler). Params match HF `FlaxBertModel` (no prefix).
 
     Call: (input_ids [B, T] int, attention_mask [B, T] {0,1}, token_type_ids [B, T]) -> BertOutput.
@@ -366,9 +366,6 @@ class BertModel(nn.Module):
     `remat` recomputes each layer in the backward pass (less memory, ~1/3 more compute).
     """
 
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
     add_pooling_layer: bool = True
     remat: bool = False
 
@@ -392,16 +389,13 @@ class BertModel(nn.Module):
         return BertOutput(hidden_states=hidden, attention_logits=logits, pooled=pooled)
 
 
-class BertForSequenceClassification(nn.Module):
+class BertForSequenceClassification(_BertModule):
     """BERT + dropout + linear classifier on the pooled output. Params: `bert/...`, `classifier`.
 
     num_labels = 1 is regression (logits [B, 1]). `head_relu=True` applies ReLU to the pooled
     output before the classifier, as the official TinyBERT `TinyBertForSequenceClassification` does.
     """
 
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
     remat: bool = False
     head_relu: bool = False
 
@@ -415,20 +409,16 @@ class BertForSequenceClassification(nn.Module):
         if self.head_relu:
             x = jax.nn.relu(x)
         x = nn.Dropout(rate=self.config.hidden_dropout_prob)(x, deterministic=deterministic)
-        logits = nn.Dense(self.config.num_labels, kernel_init=_dense_init(self.config),
-                          dtype=self.dtype, param_dtype=self.param_dtype, name="classifier")(x)
+        logits = self._dense(self.config.num_labels, "classifier")(x)
         return out.replace(logits=logits.astype(jnp.float32))
 
 
-class BertForMaskedLM(nn.Module):
+class BertForMaskedLM(_BertModule):
     """BERT + MLM head (decoder tied to the word embeddings). Params match HF `FlaxBertForMaskedLM`.
 
     `logits` is [B, T, vocab]. Used by TinyBERT data augmentation.
     """
 
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -443,10 +433,8 @@ class BertForMaskedLM(nn.Module):
         return out.replace(logits=logits)
 
 
-class _MLMHead(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class _MLMHead(_BertModule):
+    """HF's `cls` scope of the masked-LM head."""
 
     @nn.compact
     def __call__(self, h, embedding):
@@ -454,10 +442,8 @@ class _MLMHead(nn.Module):
             h, embedding)
 
 
-class _MLMPredictions(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class _MLMPredictions(_BertModule):
+    """Transform, then logits over the vocabulary with the tied word embeddings + a bias."""
 
     @nn.compact
     def __call__(self, h, embedding):
@@ -467,19 +453,13 @@ class _MLMPredictions(nn.Module):
         return (t @ embedding.T.astype(t.dtype) + bias).astype(jnp.float32)
 
 
-class _MLMTransform(nn.Module):
-    config: BertConfig
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
+class _MLMTransform(_BertModule):
+    """dense -> activation -> LayerNorm."""
 
     @nn.compact
     def __call__(self, h):
-        c = self.config
-        h = nn.Dense(c.hidden_size, kernel_init=_dense_init(c), dtype=self.dtype,
-                     param_dtype=self.param_dtype, name="dense")(h)
-        h = _ACTIVATIONS[c.hidden_act](h)
-        return nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype,
-                            param_dtype=self.param_dtype, name="LayerNorm")(h)
+        h = self._dense(self.config.hidden_size, "dense")(h)
+        return self._layer_norm()(_ACTIVATIONS[self.config.hidden_act](h))
 
 
 def init_params(model: nn.Module, rng: Array, seq_len: int = 8) -> dict:

@@ -1,10 +1,14 @@
-"""Named objectives: a stage names one of these plus its cfg (docs/CONTRACTS.md, DESIGN.md 5).
+"""Objectives: a stage names one (config.objective.name) plus its cfg (the other fields).
 
     obj = make_objective("tinybert_intermediate", {"mode": "masked"}, student_config, teacher_config)
     proj = obj.init_projection(rng)                 # {} when the objective has no projection
     loss, terms = obj(proj, s_out, t_out, batch)    # pure; t_out may be None for cached stages
 
-Objectives:
+Each objective is a small class registered under its name: it declares its cfg `defaults`
+(the one source of them: a config field left at None means "the objective's default"), what it
+needs of the teacher (`needs_teacher`, `teacher_cacheable`, `compares_logits`) and its `loss`.
+A new objective is a subclass with `@register` (see docs/design.md).
+
 - tinybert_intermediate: w_embd L_embd + sum_m lambda_m (w_attn L_attn^m + w_hidn L_hidn^m).
 - tinybert_pred: w_pred soft CE to the teacher at temperature T (MSE to the teacher for
   regression; regression_target="gold" reproduces the official STS-B bug, tinybert mode only).
@@ -14,7 +18,7 @@ Objectives:
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple, Type
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +28,6 @@ from jax_tinybert import losses as L
 from jax_tinybert.errors import UserError
 
 Array = jax.Array
-
-OBJECTIVES = ("tinybert_intermediate", "tinybert_pred", "pkd", "kd", "finetune")
 
 # Every key a stage's objective cfg may hold. A key an objective does not use is ignored, so a
 # config can share one block across stages; a misspelt key is an error.
@@ -52,16 +54,6 @@ _COMMON = {"mode": "masked", "temperature": 1.0, "alpha": 0.5, "beta": 0.0, "t2"
            "layer_map": "uniform", "projection": "shared", "w_embd": 1.0, "w_attn": 1.0,
            "w_hidn": 1.0, "w_pred": 1.0, "normalize_patience": True, "layer_weights": None,
            "regression_target": "teacher"}
-DEFAULTS = {
-    "tinybert_intermediate": dict(_COMMON),
-    "tinybert_pred": dict(_COMMON),
-    # PKD's published recipe: T 10, alpha 0.7, beta 500 for the official mean over B*K*D;
-    # beta=None resolves to that, rescaled to the mode (see Objective._setup_pkd).
-    "pkd": dict(_COMMON, temperature=10.0, alpha=0.7, beta=None, t2=True,
-                layer_map="pkd_skip", projection="none"),
-    "kd": dict(_COMMON, temperature=2.0, alpha=0.5, t2=True),
-    "finetune": dict(_COMMON),
-}
 PROJECTIONS = ("shared", "per_layer", "none")
 PKD_PUBLISHED_BETA = 500.0  # Sun et al. 2019, for the official mean over B*K*D
 
@@ -78,13 +70,14 @@ def _as_dict(cfg: Any) -> dict:
     return dict(cfg)
 
 
-def _resolve_cfg(name: str, cfg: Any) -> dict:
+def _resolve_cfg(name: str, defaults: dict, cfg: Any) -> dict:
+    """defaults, overridden by the keys of cfg that are not None; checked."""
     cfg = _as_dict(cfg)
     unknown = sorted(set(cfg) - set(CFG_KEYS))
     if unknown:
         valid = "\n".join(f"  {k}: {v}" for k, v in CFG_KEYS.items())
         raise ObjectiveConfigError(f"objective '{name}': unknown cfg key(s) {unknown}; valid keys:\n{valid}")
-    out = dict(DEFAULTS[name])
+    out = dict(defaults)
     out.update({k: v for k, v in cfg.items() if v is not None or k == "layer_weights"})
     if out["layer_weights"] is not None and len(out["layer_weights"]) == 0:
         out["layer_weights"] = None   # the config's () = every layer weighted 1
@@ -111,17 +104,24 @@ def _resolve_cfg(name: str, cfg: Any) -> dict:
 class Objective:
     """A configured objective; call it as obj(proj, s_out, t_out, batch) -> (loss, terms).
 
-    Attributes: name, cfg (resolved, defaults filled in), layer_map (or None),
+    Class attributes (declared by each registered subclass): name, defaults (every cfg key),
+    needs_teacher (the loss reads the teacher's outputs), teacher_cacheable (those outputs are
+    per-example logits / [CLS] vectors, computable once: see teacher_cache), compares_logits
+    (student and teacher heads must predict the same labels).
+    Instance attributes: cfg (resolved, defaults filled in), mode, layer_map (or None),
     student_attention_layers / teacher_attention_layers (1-based layers whose attention logits
     the models must return), teacher_cls_layers (teacher layers whose [CLS] vectors PKD reads,
-    in the order of batch["teacher_cls"]), needs_teacher, teacher_cacheable.
+    in the order of batch["teacher_cls"]), is_regression.
     """
 
-    def __init__(self, name: str, cfg: Any, student_config, teacher_config=None):
-        if name not in OBJECTIVES:
-            raise ObjectiveConfigError(f"unknown objective {name!r}; expected one of {OBJECTIVES}")
-        self.name = name
-        self.cfg = _resolve_cfg(name, cfg)
+    name: ClassVar[str] = ""
+    defaults: ClassVar[Dict[str, Any]] = _COMMON
+    needs_teacher: bool = True
+    teacher_cacheable: bool = False
+    compares_logits: ClassVar[bool] = False
+
+    def __init__(self, cfg: Any, student_config, teacher_config=None):
+        self.cfg = _resolve_cfg(self.name, self.defaults, cfg)
         self.mode = self.cfg["mode"]
         self.student_config = student_config
         self.teacher_config = teacher_config
@@ -133,30 +133,24 @@ class Objective:
         self._hidden_pairs: Tuple[Tuple[int, int], ...] = ()
         self._proj_layers: Tuple[int, ...] = ()
         self.is_regression = student_config.num_labels == 1
-        self.needs_teacher = name != "finetune"
-        self.teacher_cacheable = name in ("tinybert_pred", "pkd", "kd")
         if self.needs_teacher and teacher_config is None:
-            raise ObjectiveConfigError(f"objective '{name}' needs teacher_config (the teacher's BertConfig)")
-        if name in ("tinybert_pred", "pkd", "kd"):
-            if teacher_config.num_labels != student_config.num_labels:
-                raise ObjectiveConfigError(
-                    f"objective '{name}': student num_labels={student_config.num_labels} != "
-                    f"teacher num_labels={teacher_config.num_labels}; both heads must predict "
-                    "the same labels: pass a teacher fine-tuned on this task "
-                    "(configs/finetune_teacher.py:<task>, then --config.teacher.path="
-                    "runs/<task>/teacher/export)")
-        if name == "tinybert_pred" and self.is_regression and \
-                self.cfg["regression_target"] == "gold":
-            if self.mode != "tinybert":
-                raise ObjectiveConfigError("regression_target='gold' reproduces the official STS-B bug "
-                                 "(the prediction stage fits the gold score, not the teacher); "
-                                 "it is only offered with mode='tinybert'")
-            self.needs_teacher = False
-            self.teacher_cacheable = False
-        if name == "tinybert_intermediate":
-            self._setup_intermediate()
-        elif name == "pkd":
-            self._setup_pkd()
+            raise ObjectiveConfigError(f"objective '{self.name}' needs teacher_config (the teacher's "
+                             "BertConfig)")
+        if self.compares_logits and teacher_config.num_labels != student_config.num_labels:
+            raise ObjectiveConfigError(
+                f"objective '{self.name}': student num_labels={student_config.num_labels} != "
+                f"teacher num_labels={teacher_config.num_labels}; both heads must predict "
+                "the same labels: pass a teacher fine-tuned on this task "
+                "(configs/finetune_teacher.py:<task>, then --config.teacher.path="
+                "runs/<task>/teacher/export)")
+        self.setup()
+
+    def setup(self) -> None:
+        """Per-objective checks and layer maps, after the common fields are set."""
+
+    def loss(self, proj, s_out, t_out, batch) -> Tuple[Array, Dict[str, Array]]:
+        """(total loss scalar, dict of unweighted scalar terms)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ setup
     def _map(self) -> lm.LayerMap:
@@ -176,40 +170,6 @@ class Objective:
                     f"{dt} and cfg projection='none'; set projection='shared' or 'per_layer'")
             layers = ()
         self._proj_layers = tuple(sorted(set(layers)))
-
-    def _setup_intermediate(self) -> None:
-        c = self.cfg
-        self.layer_map = self._map()
-        if c["w_attn"] != 0.0 and self.layer_map.attention:
-            lm.check_attention_heads(self.student_config.num_attention_heads,
-                                     self.teacher_config.num_attention_heads)
-            self._attn_pairs = self.layer_map.attention
-        self._hidden_pairs = tuple(
-            (s, t) for s, t in self.layer_map.hidden
-            if (c["w_embd"] if s == 0 else c["w_hidn"]) != 0.0)
-        self.student_attention_layers = tuple(sorted({s for s, _ in self._attn_pairs}))
-        self.teacher_attention_layers = tuple(sorted({t for _, t in self._attn_pairs}))
-        lw = c["layer_weights"]
-        M = self.student_config.num_hidden_layers
-        if lw is not None:
-            lw = tuple(float(x) for x in lw)
-            if len(lw) != M + 1:
-                raise ObjectiveConfigError(f"objective '{self.name}': cfg layer_weights needs M + 1 = "
-                                 f"{M + 1} values (student layers 0..{M}), got {len(lw)}")
-        self._layer_weights = lw or (1.0,) * (M + 1)
-        self._setup_projection([s for s, _ in self._hidden_pairs])
-
-    def _setup_pkd(self) -> None:
-        self.layer_map = self._map()
-        if self.cfg["beta"] is None:
-            # The published beta is for the official mean over B*K*D; the masked (formula) loss
-            # sums over K*D, so the same training signal needs beta / (K*D) there.
-            width = (self.teacher_config or self.student_config).hidden_size
-            kd_units = max(1, len(self.layer_map.hidden)) * width
-            self.cfg["beta"] = PKD_PUBLISHED_BETA / (1.0 if self.mode == "tinybert" else kd_units)
-        self._hidden_pairs = self.layer_map.hidden if self.cfg["beta"] != 0.0 else ()
-        self.teacher_cls_layers = tuple(t for _, t in self._hidden_pairs)
-        self._setup_projection([s for s, _ in self._hidden_pairs])
 
     # ------------------------------------------------------------------ projection
     def _proj_key(self, s: int) -> str:
@@ -265,16 +225,64 @@ class Objective:
         raise ValueError("objective 'pkd' needs the teacher's [CLS] vectors: pass t_out or "
                          "batch['teacher_cls'] [b, K, D_t]")
 
-    # ------------------------------------------------------------------ the losses
+    # ------------------------------------------------------------------ the loss
     def __call__(self, proj, s_out, t_out, batch) -> Tuple[Array, Dict[str, Array]]:
         """Returns (total loss scalar, dict of unweighted scalar terms)."""
         proj = proj or {}
         if self.needs_teacher and t_out is None and not self.teacher_cacheable:
             raise ValueError(f"objective '{self.name}' needs the teacher's outputs (t_out)")
-        fn = getattr(self, "_" + self.name)
-        return fn(proj, s_out, t_out, batch)
+        return self.loss(proj, s_out, t_out, batch)
 
-    def _tinybert_intermediate(self, proj, s_out, t_out, batch):
+    def __repr__(self) -> str:
+        lmap = f", layer_map={self.layer_map.name}" if self.layer_map else ""
+        return f"Objective({self.name!r}, mode={self.mode!r}{lmap})"
+
+
+REGISTRY: Dict[str, Type[Objective]] = {}
+
+
+def register(cls: Type[Objective]) -> Type[Objective]:
+    """Class decorator: makes `cls` available as config.objective.name = cls.name."""
+    if not cls.name or cls.name in REGISTRY:
+        raise ValueError(f"objective class {cls.__name__}: name {cls.name!r} is empty or taken")
+    missing = sorted(set(CFG_KEYS) - set(cls.defaults))
+    if missing:
+        raise ValueError(f"objective {cls.name!r}: defaults lack {missing}")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+# ---------------------------------------------------------------------- the objectives
+
+@register
+class TinyBertIntermediate(Objective):
+    """TinyBERT's intermediate-layer loss (general distillation and task stage 1)."""
+    name = "tinybert_intermediate"
+    defaults = dict(_COMMON)
+
+    def setup(self) -> None:
+        c = self.cfg
+        self.layer_map = self._map()
+        if c["w_attn"] != 0.0 and self.layer_map.attention:
+            lm.check_attention_heads(self.student_config.num_attention_heads,
+                                     self.teacher_config.num_attention_heads)
+            self._attn_pairs = self.layer_map.attention
+        self._hidden_pairs = tuple(
+            (s, t) for s, t in self.layer_map.hidden
+            if (c["w_embd"] if s == 0 else c["w_hidn"]) != 0.0)
+        self.student_attention_layers = tuple(sorted({s for s, _ in self._attn_pairs}))
+        self.teacher_attention_layers = tuple(sorted({t for _, t in self._attn_pairs}))
+        lw = c["layer_weights"]
+        M = self.student_config.num_hidden_layers
+        if lw is not None:
+            lw = tuple(float(x) for x in lw)
+            if len(lw) != M + 1:
+                raise ObjectiveConfigError(f"objective '{self.name}': cfg layer_weights needs M + 1 = "
+                                 f"{M + 1} values (student layers 0..{M}), got {len(lw)}")
+        self._layer_weights = lw or (1.0,) * (M + 1)
+        self._setup_projection([s for s, _ in self._hidden_pairs])
+
+    def loss(self, proj, s_out, t_out, batch):
         mode, c, lw = self.mode, self.cfg, self._layer_weights
         mask, valid = batch["attention_mask"], batch.get("valid")
         terms: Dict[str, Array] = {}
@@ -307,7 +315,25 @@ class Objective:
             terms["hidn"] = hidn
         return total, terms
 
-    def _tinybert_pred(self, proj, s_out, t_out, batch):
+
+@register
+class TinyBertPred(Objective):
+    """TinyBERT's prediction-layer loss (task stage 2): soft CE to the teacher's logits."""
+    name = "tinybert_pred"
+    defaults = dict(_COMMON)
+    teacher_cacheable = True
+    compares_logits = True
+
+    def setup(self) -> None:
+        if self.is_regression and self.cfg["regression_target"] == "gold":
+            if self.mode != "tinybert":
+                raise ObjectiveConfigError("regression_target='gold' reproduces the official STS-B bug "
+                                 "(the prediction stage fits the gold score, not the teacher); "
+                                 "it is only offered with mode='tinybert'")
+            self.needs_teacher = False
+            self.teacher_cacheable = False
+
+    def loss(self, proj, s_out, t_out, batch):
         c, valid = self.cfg, batch.get("valid")
         s = s_out.logits
         if self.is_regression:
@@ -318,6 +344,12 @@ class Objective:
             v = L.soft_cross_entropy(s, self._teacher_logits(t_out, batch), c["temperature"],
                                      mode=self.mode, t2=c["t2"], valid=valid)
         return c["w_pred"] * v, {"pred": v}
+
+
+class _HardAndSoft(Objective):
+    """(1 - alpha) hard-label loss + alpha soft loss to the teacher's logits (KD, PKD)."""
+    teacher_cacheable = True
+    compares_logits = True
 
     def _hard_and_soft(self, s_out, t_out, batch):
         c, valid = self.cfg, batch.get("valid")
@@ -332,10 +364,29 @@ class Objective:
         # The official PKD order: alpha * KD + (1 - alpha) * CE.
         return c["alpha"] * soft + (1.0 - c["alpha"]) * hard, {"ce": hard, "kd": soft}
 
-    def _kd(self, proj, s_out, t_out, batch):
-        return self._hard_and_soft(s_out, t_out, batch)
 
-    def _pkd(self, proj, s_out, t_out, batch):
+@register
+class PKD(_HardAndSoft):
+    """Patient knowledge distillation: KD + beta * patience loss on mapped [CLS] vectors."""
+    name = "pkd"
+    # PKD's published recipe: T 10, alpha 0.7, beta 500 for the official mean over B*K*D;
+    # beta=None resolves to that, rescaled to the mode (see setup).
+    defaults = dict(_COMMON, temperature=10.0, alpha=0.7, beta=None, t2=True,
+                    layer_map="pkd_skip", projection="none")
+
+    def setup(self) -> None:
+        self.layer_map = self._map()
+        if self.cfg["beta"] is None:
+            # The published beta is for the official mean over B*K*D; the masked (formula) loss
+            # sums over K*D, so the same training signal needs beta / (K*D) there.
+            width = (self.teacher_config or self.student_config).hidden_size
+            kd_units = max(1, len(self.layer_map.hidden)) * width
+            self.cfg["beta"] = PKD_PUBLISHED_BETA / (1.0 if self.mode == "tinybert" else kd_units)
+        self._hidden_pairs = self.layer_map.hidden if self.cfg["beta"] != 0.0 else ()
+        self.teacher_cls_layers = tuple(t for _, t in self._hidden_pairs)
+        self._setup_projection([s for s, _ in self._hidden_pairs])
+
+    def loss(self, proj, s_out, t_out, batch):
         total, terms = self._hard_and_soft(s_out, t_out, batch)
         if not self._hidden_pairs:
             return total, terms
@@ -351,7 +402,25 @@ class Objective:
         terms["pt"] = pt
         return total + scaled, terms
 
-    def _finetune(self, proj, s_out, t_out, batch):
+
+@register
+class KD(_HardAndSoft):
+    """Hinton et al.'s knowledge distillation."""
+    name = "kd"
+    defaults = dict(_COMMON, temperature=2.0, alpha=0.5, t2=True)
+
+    def loss(self, proj, s_out, t_out, batch):
+        return self._hard_and_soft(s_out, t_out, batch)
+
+
+@register
+class Finetune(Objective):
+    """Plain fine-tuning on gold labels (the teacher's own training); no teacher."""
+    name = "finetune"
+    defaults = dict(_COMMON)
+    needs_teacher = False
+
+    def loss(self, proj, s_out, t_out, batch):
         valid = batch.get("valid")
         if self.is_regression:
             v = L.regression_mse(s_out.logits, batch["labels"], valid=valid)
@@ -359,14 +428,20 @@ class Objective:
         v = L.cross_entropy(s_out.logits, batch["labels"], valid=valid)
         return v, {"ce": v}
 
-    def __repr__(self) -> str:
-        lmap = f", layer_map={self.layer_map.name}" if self.layer_map else ""
-        return f"Objective({self.name!r}, mode={self.mode!r}{lmap})"
+
+OBJECTIVES = tuple(REGISTRY)
+# Read-only view of each objective's declared defaults (docs, tests).
+DEFAULTS = {n: dict(cls.defaults) for n, cls in REGISTRY.items()}
 
 
 def make_objective(name: str, cfg: Any, student_config, teacher_config=None) -> Objective:
-    """Builds a named objective (one of OBJECTIVES) from its cfg (dict or ConfigDict)."""
-    return Objective(name, cfg, student_config, teacher_config)
+    """Builds a registered objective (one of OBJECTIVES) from its cfg (dict or ConfigDict;
+    None values take the objective's defaults)."""
+    if name not in REGISTRY:
+        raise ObjectiveConfigError(f"unknown objective {name!r}; expected one of "
+                                   f"{tuple(REGISTRY)}")
+    return REGISTRY[name](cfg, student_config, teacher_config)
 
 
-__all__ = ["OBJECTIVES", "CFG_KEYS", "DEFAULTS", "Objective", "make_objective"]
+__all__ = ["OBJECTIVES", "CFG_KEYS", "DEFAULTS", "REGISTRY", "Objective", "make_objective",
+           "register"]

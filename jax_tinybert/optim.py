@@ -16,15 +16,29 @@ import optax
 SCHEDULES = ("warmup_linear", "constant", "warmup_constant")
 OPTIMIZERS = ("adamw", "bertadam")
 
-# Per-optimizer defaults; BertAdam's are the official ones (DESIGN.md section 5).
+# Per-optimizer defaults, the one place they live (config fields left at None take these).
+# BertAdam's are the official TinyBERT/PKD ones; AdamW uses the same eps 1e-6 (BERT's).
 _DEFAULTS = {
     "adamw": dict(learning_rate=5e-5, schedule="warmup_linear", warmup_ratio=0.1,
-                  weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8, clip_norm=1.0,
-                  grad_clip_per_tensor=None, pad_token_id=0),
+                  weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-6, clip_norm=1.0,
+                  grad_clip_per_tensor=0.0, pad_token_id=0),
     "bertadam": dict(learning_rate=5e-5, schedule="warmup_linear", warmup_ratio=0.1,
-                     weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-6, clip_norm=None,
+                     weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-6, clip_norm=0.0,
                      grad_clip_per_tensor=1.0, pad_token_id=0),
 }
+
+
+def defaults(name: str) -> dict:
+    """The defaults of optimizer `name` (one of OPTIMIZERS)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer name {name!r} unknown; expected one of {OPTIMIZERS}")
+    return dict(_DEFAULTS[name])
+
+
+def shared_defaults() -> dict:
+    """The defaults every optimizer has in common (the config schema states these values)."""
+    first, *rest = _DEFAULTS.values()
+    return {k: v for k, v in first.items() if all(d.get(k) == v for d in rest)}
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -193,13 +207,12 @@ def make_optimizer(cfg, total_steps: Optional[int]
     ("warmup_linear" | "constant" | "warmup_constant"), warmup_ratio, weight_decay, b1, b2, eps,
     clip_norm (adamw global-norm clip; None/0 = off), grad_clip_per_tensor (bertadam),
     pad_token_id (default 0: that word-embedding row gets no gradient, as in PyTorch; None = off).
-    total_steps: number of optimizer updates of the run (the official t_total).
+    A key that is absent takes the optimizer's default (`defaults(name)`); None turns clipping /
+    pad_token_id off. total_steps: number of optimizer updates of the run (the official t_total).
     Returns (tx, schedule: step -> lr). Weight decay skips biases and LayerNorm.
     """
     name = _get(cfg, "name", "adamw")
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer name {name!r} unknown; expected one of {OPTIMIZERS}")
-    d = _DEFAULTS[name]
+    d = defaults(name)
     opt = {k: _get(cfg, k, v) for k, v in d.items()}
     schedule = make_schedule(opt["schedule"], opt["learning_rate"], total_steps,
                              opt["warmup_ratio"] or 0.0)
@@ -210,12 +223,13 @@ def make_optimizer(cfg, total_steps: Optional[int]
     if name == "bertadam":
         if opt["clip_norm"]:
             raise ValueError("bertadam clips each tensor (grad_clip_per_tensor); clip_norm "
-                             "(global) is for adamw; set clip_norm=None")
+                             "(global) is for adamw; set clip_norm=0")
         parts.append(bertadam(schedule, b1=opt["b1"], b2=opt["b2"], eps=opt["eps"],
                               weight_decay=wd, max_grad_norm=opt["grad_clip_per_tensor"]))
         return optax.chain(*parts), schedule
     if opt["grad_clip_per_tensor"]:
-        raise ValueError("grad_clip_per_tensor is a bertadam option; adamw uses clip_norm")
+        raise ValueError("grad_clip_per_tensor is a bertadam option; adamw uses clip_norm "
+                         "(set grad_clip_per_tensor=0)")
     if opt["clip_norm"]:
         parts.append(optax.clip_by_global_norm(float(opt["clip_norm"])))
     parts.append(optax.adamw(schedule, b1=opt["b1"], b2=opt["b2"], eps=opt["eps"],

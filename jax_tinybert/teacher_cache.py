@@ -213,7 +213,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
           batches: Iterable[Mapping[str, np.ndarray]], num_examples: int) -> TeacherCache:
     """Run `forward(params, ids, mask, types)` over `batches` and write the cache at `path`.
 
-    batches: CONTRACTS-format dicts with `example_id` in [0, num_examples); rows with
+    batches: batch dicts (docs/design.md, "Batches") with `example_id` in [0, num_examples); rows with
     `valid == 0` (or example_id < 0) are skipped. Any existing folder at `path` is replaced
     only once the new one is complete.
     """

@@ -42,6 +42,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     is_main = jax.process_index() == 0
 
     # ----------------------------------------------------------------- build
+    config = build.with_defaults(config)
     validate_config(config)
     check_workdir(config, workdir)
     run = build.build_run(config, workdir)
@@ -52,15 +53,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
                         save_interval_steps=config.train.checkpoint_every,
                         keep_best=run.evaluates, best_metric="main", best_mode="max")
     preemption = Preemption().install()
-    start_step, best, past = 0, None, {}
-    restored = ckpt.restore_latest(run.step.abstract_state)
-    if restored is not None:
-        start_step, state, meta = restored
-        run.data.train_batches.load_state_dict(meta["data"])
-        best = meta.get("best")
-        past = meta.get("history") or {}
-        if is_main:
-            print(f"resumed from step {start_step} in {workdir}", flush=True)
+    start_step, state, best, past = _restore(ckpt, run, state, workdir)
     # The run so far (carried in each checkpoint's meta), so that summary.json covers every
     # segment of a resumed run, and a finished run rerun in place keeps its history.
     history = list(past.get("eval_history", []))
@@ -92,7 +85,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
                             "wall_s": wall_before + time.time() - t_start}}
         if run.evaluates and (step % eval_every == 0 or step == run.total_steps):
             ev = evaluate(run.step.eval_step, state.params["student"], run.data, run.mesh)
-            best, improved = _track_best(step, ev, best, writer, history)
+            improved = ckpt.is_better(ev["main"])   # the one definition of "best"
+            best = _record_eval(step, ev, best, improved, writer, history)
             meta["best"] = best
             if improved:
                 ckpt.save_best(step, state, meta, ev["main"])
@@ -102,23 +96,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     preemption.uninstall()
 
     # ----------------------------------------------------------------- finish
-    final_params, export_step = state.params["student"], step
-    if best is not None and best["step"] != step:
-        got = ckpt.restore_best(run.step.abstract_state)
-        if got is not None:
-            final_params, export_step = got[1].params["student"], got[0]
-            if is_main:
-                print(f"exporting the best checkpoint (step {got[0]})", flush=True)
-        elif is_main:
-            print(f"the best checkpoint (step {best['step']}) is damaged or missing: "
-                  f"exporting the final state (step {step}) instead", flush=True)
+    final_params, export_step = _best_params(ckpt, run, state, best, step)
     export_dir = _export(run, final_params, workdir) if config.export.enabled else None
     ckpt.close()
+    m = run.models
     summary = {"stage": config.stage, "objective": run.objective.name, "steps": step,
                "best": best, "last_train": log.last, "eval_history": history,
-               "student_params": count_params(run.models.student_params),
-               "teacher_params": count_params(run.models.teacher_params)
-               if run.models.teacher_params else 0,
+               "student_params": count_params(m.student_params),
+               "teacher_params": count_params(m.teacher_params) if m.teacher_params else 0,
                "wall_s": wall_before + time.time() - t_start, "export": export_dir,
                "export_step": export_step if export_dir else None, "task": run.data.task}
     writer.close()
@@ -133,6 +118,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
 
 
 # --------------------------------------------------------------------------- loop helpers
+
+def _restore(ckpt: Checkpointer, run: build.Run, state, workdir: str):
+    """-> (start step, state, best eval, the run's history so far) from the newest readable
+    checkpoint (the data position restored too), or the fresh state at step 0."""
+    restored = ckpt.restore_latest(run.step.abstract_state)
+    if restored is None:
+        return 0, state, None, {}
+    start_step, state, meta = restored
+    run.data.train_batches.load_state_dict(meta["data"])
+    if jax.process_index() == 0:
+        print(f"resumed from step {start_step} in {workdir}", flush=True)
+    return start_step, state, meta.get("best"), meta.get("history") or {}
+
 
 def _announce(run: build.Run) -> None:
     c, m = run.config, run.models
@@ -179,19 +177,19 @@ class _TrainLog:
                   f"lr={m['lr']:.2e} {m['examples_per_s']:.1f} ex/s", flush=True)
 
 
-def _track_best(step: int, ev: Dict[str, float], best: Optional[dict], writer: MetricsWriter,
-                history: list):
-    """Records an eval; -> (best so far, whether this eval is it)."""
+def _record_eval(step: int, ev: Dict[str, float], best: Optional[dict], improved: bool,
+                 writer: MetricsWriter, history: list) -> Optional[dict]:
+    """Writes and prints an eval; -> the best eval so far ({"step", metrics...})."""
     writer.write(step, ev, prefix="eval")
     history.append({"step": step, **ev})
-    improved = best is None or ev["main"] > best["main"]
     if improved:
         best = {"step": step, **ev}
     if jax.process_index() == 0:
-        print(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items())
-              + ("  (best)" if improved else f"  (best {best['main']:.4f} @ {best['step']})"),
+        note = "  (best)" if improved else (
+            f"  (best {best['main']:.4f} @ {best['step']})" if best else "")
+        print(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()) + note,
               flush=True)
-    return best, improved
+    return best
 
 
 def _save_and_maybe_stop(ckpt: Checkpointer, preemption: Preemption, writer: MetricsWriter,
@@ -226,6 +224,21 @@ def _wall_before(workdir: str, start_step: int, past: dict) -> float:
 
 
 # --------------------------------------------------------------------------- eval and export
+
+def _best_params(ckpt: Checkpointer, run: build.Run, state, best: Optional[dict], step: int):
+    """(student params to export, their step): the best checkpoint's when the best eval was not
+    the last step (the final state's if that checkpoint is damaged or missing)."""
+    if best is not None and best["step"] != step:
+        got = ckpt.restore_best(run.step.abstract_state)
+        if got is not None:
+            if jax.process_index() == 0:
+                print(f"exporting the best checkpoint (step {got[0]})", flush=True)
+            return got[1].params["student"], got[0]
+        if jax.process_index() == 0:
+            print(f"the best checkpoint (step {best['step']}) is damaged or missing: "
+                  f"exporting the final state (step {step}) instead", flush=True)
+    return state.params["student"], step
+
 
 def evaluate(eval_fn, params, data: build.Data, mesh) -> Dict[str, float]:
     """Runs the student over the dev set; the task's metrics on the host ("main" = the task's

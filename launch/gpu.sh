@@ -70,7 +70,7 @@ fi
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-# Host side: keep glibc from unmapping large temporaries every step (DESIGN.md section 7).
+# Host side: keep glibc from unmapping large temporaries every step (as the Makefile does).
 export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-1}"
 export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-17179869184}"
 export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-17179869184}"

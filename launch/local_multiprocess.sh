@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start N processes of `python -m jax_tinybert.main` on this machine, each with D CPU devices,
 # joined by jax.distributed (gloo collectives) into one N*D-device job. This is how multi-host
-# code is exercised without a pod (see docs/scaling.md and DESIGN.md section 6).
+# code is exercised without a pod (see docs/scaling.md).
 set -euo pipefail
 
 usage() {
@@ -29,7 +29,7 @@ Options:
 Environment:
   PYTHON   interpreter (default: .venv/bin/python of the repo if it exists, else python3)
   MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ default to the values that
-           stop glibc from unmapping XLA's per-step temporaries (DESIGN.md section 7).
+           stop glibc from unmapping XLA's per-step temporaries (as the Makefile does).
 
 Process 0's log is also shown on the console. The script waits for all processes; as soon as
 one fails it kills the others, names the failed process and its log, and exits with its code.

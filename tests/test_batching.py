@@ -1,4 +1,4 @@
-"""Length buckets, per-process shards, exact resume, eval filler rows (docs/CONTRACTS.md)."""
+"""Length buckets, per-process shards, exact resume, eval filler rows (docs/design.md, "Batches")."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""Loss terms against NumPy re-statements of the formulas (DESIGN.md section 5), both modes."""
+"""Loss terms against NumPy re-statements of the formulas (docs/losses.md), both modes."""
 import jax
 import jax.numpy as jnp
 import numpy as np

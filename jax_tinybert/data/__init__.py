@@ -1,6 +1,6 @@
 """Host-side data: GLUE tasks, tokenization, bucketed per-process batches, corpus, augmentation.
 
-Entry points for the training loop (batches follow docs/CONTRACTS.md):
+Entry points for the training loop (batches as in docs/design.md, "Batches"):
 
     train_it = data.glue_train_iterator("sst-2", glue_dir, tokenizer_dir, global_batch_size=32,
                                         max_len=64, seed=0, cache_dir=workdir + "/data_cache")

@@ -1,4 +1,4 @@
-"""Length-bucketed, per-process sharded, exactly resumable batches (docs/CONTRACTS.md format).
+"""Length-bucketed, per-process sharded, exactly resumable batches (the batch format of docs/design.md).
 
 The whole epoch plan (which examples form which global batch, at which bucket length) is a pure
 function of (dataset lengths, seed, epoch), so every process computes the same plan without
