@@ -121,9 +121,11 @@ def cross_entropy(logits, labels, valid):
 
 
 def patience_loss(s_cls, t_cls, valid, normalize=True):
+    """The paper's patience loss (masked mode): sum over the K layers and D units, mean over
+    examples."""
     if normalize:
         s_cls, t_cls = F.normalize(s_cls, dim=-1), F.normalize(t_cls, dim=-1)
-    return _example_mean(((s_cls - t_cls) ** 2).mean(dim=(1, 2)), valid)
+    return _example_mean(((s_cls - t_cls) ** 2).sum(dim=(1, 2)), valid)
 
 
 # ----------------------------------------------------------------------------- the step
