@@ -69,31 +69,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     log.last = dict(past.get("last_train", {}))
     eval_every = config.train.eval_every or run.data.train_batches.steps_per_epoch
     fingerprint = config_fingerprint(config)[0]
-    step = start_step
-    while step < run.total_steps:
-        batch = next(run.data.train_batches)
-        if run.cache is not None:
-            batch.update(run.cache.lookup(batch["example_id"]))
-        feed = {k: v for k, v in batch.items() if k != "example_id"}
-        state, metrics = run.step.train_step(state, run.teacher_params,
-                                             shd.shard_batch(feed, run.mesh))
-        step += 1
-        log.step(step, batch, metrics)
-        meta = {"data": run.data.train_batches.state_dict(), "best": best,
-                "config_fingerprint": fingerprint,
-                "history": {"eval_history": history, "last_train": log.last,
-                            "wall_s": wall_before + time.time() - t_start}}
-        if run.evaluates and (step % eval_every == 0 or step == run.total_steps):
-            ev = evaluate(run.step.eval_step, state.params["student"], run.data, run.mesh)
-            improved = ckpt.is_better(ev["main"])   # the one definition of "best"
-            best = _record_eval(step, ev, best, improved, writer, history)
-            meta["best"] = best
-            if improved:
-                ckpt.save_best(step, state, meta, ev["main"])
-        _save_and_maybe_stop(ckpt, preemption, writer, step, run.total_steps, state, metrics,
-                             meta, workdir)
-    ckpt.wait()
-    preemption.uninstall()
+    # The SIGTERM handler must not outlive this stage when it stops early (Preempted) or fails:
+    # library callers (pipeline, benchmarks) run several stages in one process.
+    try:
+        step = start_step
+        while step < run.total_steps:
+            batch = next(run.data.train_batches)
+            if run.cache is not None:
+                batch.update(run.cache.lookup(batch["example_id"]))
+            feed = {k: v for k, v in batch.items() if k != "example_id"}
+            state, metrics = run.step.train_step(state, run.teacher_params,
+                                                 shd.shard_batch(feed, run.mesh))
+            step += 1
+            log.step(step, batch, metrics)
+            meta = {"data": run.data.train_batches.state_dict(), "best": best,
+                    "config_fingerprint": fingerprint,
+                    "history": {"eval_history": history, "last_train": log.last,
+                                "wall_s": wall_before + time.time() - t_start}}
+            if run.evaluates and (step % eval_every == 0 or step == run.total_steps):
+                ev = evaluate(run.step.eval_step, state.params["student"], run.data, run.mesh)
+                improved = ckpt.is_better(ev["main"])   # the one definition of "best"
+                best = _record_eval(step, ev, best, improved, writer, history)
+                meta["best"] = best
+                if improved:
+                    ckpt.save_best(step, state, meta, ev["main"])
+            _save_and_maybe_stop(ckpt, preemption, writer, step, run.total_steps, state, metrics,
+                                 meta, workdir)
+        ckpt.wait()
+    finally:
+        preemption.uninstall()
 
     # ----------------------------------------------------------------- finish
     final_params, export_step = _best_params(ckpt, run, state, best, step)
