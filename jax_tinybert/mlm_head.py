@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from jax_tinybert import build
+from jax_tinybert.config_check import ConfigValueError
 from jax_tinybert.data import corpus as corpus_lib
 from jax_tinybert.data import tokenize
 from jax_tinybert.export import export_hf
@@ -160,7 +161,7 @@ def make_steps(config: BertConfig, tx: optax.GradientTransformation, freeze_enco
 def _split(n: int, eval_sequences: int) -> Tuple[np.ndarray, np.ndarray]:
     """(train, eval) sequence indices: every k-th sequence is held out, spread over the corpus."""
     if n < 2:
-        raise ValueError(f"mlm_head: the corpus packs into {n} sequence(s); need at least 2 "
+        raise ConfigValueError(f"mlm_head: the corpus packs into {n} sequence(s); need at least 2 "
                          "(one to train on, one held out)")
     n_eval = int(min(max(1, eval_sequences), n // 2))
     ev = np.unique(np.linspace(0, n - 1, n_eval).round().astype(np.int64))
@@ -196,13 +197,13 @@ def fit(config, workdir: str) -> dict:
             return json.load(fh)
     m, tc = config.mlm, config.train
     if not config.data.corpus:
-        raise ValueError("config.data.corpus is empty: pass --config.data.corpus=FILE_OR_FOLDER "
+        raise ConfigValueError("config.data.corpus is empty: pass --config.data.corpus=FILE_OR_FOLDER "
                          "(plain text, e.g. ../shared/data/corpus)")
     if not 0.0 < float(m.mask_rate) < 1.0 or int(m.max_predictions) < 1:
-        raise ValueError(f"config.mlm.mask_rate={m.mask_rate} must be in (0, 1) and "
+        raise ConfigValueError(f"config.mlm.mask_rate={m.mask_rate} must be in (0, 1) and "
                          f"config.mlm.max_predictions={m.max_predictions} >= 1")
     if int(tc.num_steps) < 1:
-        raise ValueError("config.train.num_steps must be >= 1 for the mlm_head stage")
+        raise ConfigValueError("config.train.num_steps must be >= 1 for the mlm_head stage")
     t0 = time.time()
     enc_path = str(build.resolve_model_path(m.encoder))
     tok = tokenize.load_tokenizer(enc_path)
@@ -248,15 +249,16 @@ def fit(config, workdir: str) -> dict:
         inputs, pos, lab, w = mask_batch(b["input_ids"], b["attention_mask"], rng, **mask_kw)
         state, opt_state, loss, st = train_step(state, opt_state, inputs, b["attention_mask"],
                                                 pos, lab, w)
-        acc_c += float(st["correct"])
-        acc_n += float(st["count"])
+        # Summed on the device: a float() here would wait for every step (no async dispatch).
+        acc_c = acc_c + st["correct"]
+        acc_n = acc_n + st["count"]
         if step % tc.log_every == 0 or step == steps:
             if not np.isfinite(float(loss)):
                 raise FloatingPointError(f"mlm_head: non-finite loss at step {step}; lower "
                                          "config.optim.learning_rate")
             dt = time.time() - t_last
             print(f"step {step:>6}/{steps} loss={float(loss):.3f} train_acc="
-                  f"{acc_c / max(acc_n, 1):.4f} lr={float(schedule(step)):.2e} "
+                  f"{float(acc_c) / max(float(acc_n), 1.0):.4f} lr={float(schedule(step)):.2e} "
                   f"{tc.log_every * tc.batch_size / dt:.1f} seq/s", flush=True)
             t_last, acc_c, acc_n = time.time(), 0.0, 0.0
         if (tc.eval_every and step % tc.eval_every == 0) or step == steps:
