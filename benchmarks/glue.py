@@ -363,7 +363,9 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     tdir = os.path.join(args.workdir, task)
     teacher_export = os.path.join(tdir, "teacher", "export")
     n = _train_rows(args, task)
-    te, se = cpu_epochs(n, CPU["teacher_max_epochs"]), cpu_epochs(n, CPU["student_max_epochs"])
+    te = cpu_epochs(n, args.teacher_max_epochs or CPU["teacher_max_epochs"])
+    se = cpu_epochs(n, args.student_max_epochs or CPU["student_max_epochs"])
+    want = set(args.rows.split(",")) if args.rows else set(CPU_ROWS)
     print(f"[glue cpu] {spec.dir_name}: {n} train rows; teacher {te:.2f} epochs, student stages "
           f"{se:.2f} epochs each", flush=True)
     lr = CPU["lr"]
@@ -389,26 +391,30 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
                       "train.num_steps": steps["pred"]})
         res["pred" + suffix] = _run(_set(c, o), os.path.join(tdir, "pred" + suffix))
 
-    tinybert("")
-    if not args.no_da:
+    if "tinybert" in want or "tinybert+da" in want:
+        tinybert("")
+    if "tinybert+da" in want and not args.no_da:
         res["da_info"] = cpu_augment(args, task, tdir, teacher_export, n)
         tinybert("_da", res["da_info"]["path"],
                  {"inter": res["inter"]["steps"], "pred": res["pred"]["steps"]})
 
-    c = _load_config("pkd", task)
-    res["pkd"] = _run(_set(c, {**_cpu_common(args, task, se, lr["pkd"]), **init}),
-                      os.path.join(tdir, "pkd"))
-
-    c = _load_config("task_distill", f"{task}_pred")
-    c.stage, c.objective.name = "kd", "kd"   # T, alpha, t2: KD's own defaults
-    res["kd"] = _run(_set(c, {**_cpu_common(args, task, se, lr["kd"]), **init}),
-                     os.path.join(tdir, "kd"))
-
     # The same student and steps on gold labels alone: what distillation adds.
-    c = _load_config("finetune_teacher", task)
-    c.stage = "task_distill"
-    res["labels"] = _run(_set(c, {**_cpu_common(args, task, se, lr["labels"]), **init,
-                                  "teacher.cache": False}), os.path.join(tdir, "labels"))
+    if "labels-only" in want:
+        c = _load_config("finetune_teacher", task)
+        c.stage = "task_distill"
+        res["labels"] = _run(_set(c, {**_cpu_common(args, task, se, lr["labels"]), **init,
+                                      "teacher.cache": False}), os.path.join(tdir, "labels"))
+
+    if "kd" in want:
+        c = _load_config("task_distill", f"{task}_pred")
+        c.stage, c.objective.name = "kd", "kd"   # T, alpha, t2: KD's own defaults
+        res["kd"] = _run(_set(c, {**_cpu_common(args, task, se, lr["kd"]), **init}),
+                         os.path.join(tdir, "kd"))
+
+    if "pkd" in want:
+        c = _load_config("pkd", task)
+        res["pkd"] = _run(_set(c, {**_cpu_common(args, task, se, lr["pkd"]), **init}),
+                          os.path.join(tdir, "pkd"))
     return res
 
 
@@ -474,10 +480,18 @@ def main_cpu(args, tasks: List[str]) -> str:
     t0 = time.time()
     rows, res_by_task = [], {}
     path = os.path.join(args.workdir, "results.json")
+    # Rows of tasks run by earlier invocations into the same workdir are kept (one task per
+    # invocation is how a long run is split up); a task run again replaces its rows.
+    kept = []
+    if os.path.exists(path):
+        with open(path) as fh:
+            kept = json.load(fh)
     for task in tasks:
         res_by_task[task] = run_task_cpu(args, task)
         rows += cpu_rows(args, task, res_by_task[task])
-        _write_json(path, rows)  # after every task, so a long run shows what is done
+        names = {r["task"] for r in rows}
+        kept = [r for r in kept if r["task"] not in names]
+        _write_json(path, kept + rows)  # after every task, so a long run shows what is done
         _write_json(os.path.join(args.workdir, "stages.json"), res_by_task)
     table = cpu_table(rows, res_by_task)
     table += f"\n\nTotal wall time of this invocation: {time.time() - t0:.0f} s."
@@ -640,6 +654,13 @@ def main(argv=None) -> str:
                     help="do not use a persistent XLA compilation cache in <workdir>/jax_cache")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--no_da", action="store_true", help="budget cpu: skip the tinybert+da row")
+    ap.add_argument("--rows", default="",
+                    help="budget cpu: comma list of rows to run, of " + ",".join(CPU_ROWS)
+                    + " (default all; the teacher always runs, the others need it)")
+    ap.add_argument("--teacher_max_epochs", type=float, default=0.0,
+                    help=f"budget cpu: cap on teacher epochs (default {CPU['teacher_max_epochs']})")
+    ap.add_argument("--student_max_epochs", type=float, default=0.0,
+                    help=f"budget cpu: cap on student epochs (default {CPU['student_max_epochs']})")
     ap.add_argument("--max_steps", type=int, default=0,
                     help="budget cpu: cap every stage at this many steps (smoke tests)")
     args = ap.parse_args(argv)
@@ -652,6 +673,9 @@ def main(argv=None) -> str:
     if args.eval_subset is not None:
         b["eval_subset"] = args.eval_subset
     tasks = [t.strip().lower().replace("-", "") for t in args.tasks.split(",") if t.strip()]
+    for r in filter(None, args.rows.split(",")):
+        if r not in CPU_ROWS:
+            ap.error(f"--rows: {r!r} is not one of {','.join(CPU_ROWS)}")
     allowed = ALL_GLUE if args.budget == "cpu" else TASKS
     for t in tasks:
         if t not in allowed:
