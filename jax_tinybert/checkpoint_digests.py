@@ -20,6 +20,8 @@ import logging
 import os
 from typing import Dict, Optional
 
+from jax_tinybert import fs
+
 log = logging.getLogger(__name__)
 
 __all__ = ["DIGESTS", "Digester", "write", "verify", "compute"]
@@ -35,7 +37,7 @@ _CHUNK = 8 << 20
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with fs.open_file(path, "rb") as fh:
         while True:
             b = fh.read(_CHUNK)
             if not b:
@@ -43,7 +45,29 @@ def _sha256(path: str) -> str:
             h.update(b)  # releases the GIL: files hash in parallel threads
 
 
+def _skipped(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return name in _SKIP or ("/" not in rel and name in _SKIP_TOP)
+
+
+def _remote_sizes(step_dir: str) -> Dict[str, int]:
+    """{relative path: bytes} of every object under the URL `step_dir` (one listing)."""
+    fsys, p = fs.url_fs(step_dir)
+    p = p.rstrip("/")
+    try:
+        found = fsys.find(p, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {k[len(p) + 1:]: int(v.get("size") or 0) for k, v in found.items()
+            if k.startswith(p + "/") and v.get("type") != "directory"}
+
+
 def _files(step_dir: str):
+    if fs.is_remote(step_dir):
+        for rel in sorted(_remote_sizes(step_dir)):
+            if not _skipped(rel):
+                yield rel, fs.join(step_dir, *rel.split("/"))
+        return
     for root, dirs, files in os.walk(step_dir):
         dirs.sort()
         for f in sorted(files):
@@ -60,7 +84,9 @@ def compute(step_dir: str, rels=None) -> Dict[str, Dict]:
         (r, os.path.join(step_dir, *r.split("/"))) for r in rels]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
         digests = list(ex.map(lambda it: _sha256(it[1]), items))
-    return {rel: {"bytes": os.path.getsize(full), "sha256": d}
+    sizes = _remote_sizes(step_dir) if fs.is_remote(step_dir) else None
+    return {rel: {"bytes": sizes[rel] if sizes is not None else os.path.getsize(full),
+                  "sha256": d}
             for (rel, full), d in zip(items, digests)}
 
 
@@ -68,11 +94,14 @@ def write(step_dir: str) -> Dict[str, Dict]:
     """Hash every file of `step_dir` and write `step_dir/digests.json` (temp file + rename)."""
     step_dir = os.fspath(step_dir)
     files = compute(step_dir)
-    path = os.path.join(step_dir, DIGESTS)
+    path = fs.join(step_dir, DIGESTS)
+    doc = {"version": VERSION, "algorithm": "sha256", "files": files}
+    if fs.is_remote(path):   # one object upload: whole or absent
+        fs.write_json_atomic(path, doc, indent=0, sort_keys=True)
+        return files
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
-        json.dump({"version": VERSION, "algorithm": "sha256", "files": files}, fh, indent=0,
-                  sort_keys=True)
+        json.dump(doc, fh, indent=0, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -80,7 +109,7 @@ def write(step_dir: str) -> Dict[str, Dict]:
 
 
 def has_digests(step_dir: str) -> bool:
-    return os.path.exists(os.path.join(os.fspath(step_dir), DIGESTS))
+    return fs.exists(fs.join(step_dir, DIGESTS))
 
 
 def verify(step_dir: str) -> Optional[str]:
@@ -90,19 +119,23 @@ def verify(step_dir: str) -> Optional[str]:
     decides whether to trust it.
     """
     step_dir = os.fspath(step_dir)
-    path = os.path.join(step_dir, DIGESTS)
+    path = fs.join(step_dir, DIGESTS)
     try:
-        with open(path) as fh:
+        with fs.open_file(path) as fh:
             want = json.load(fh)["files"]
     except FileNotFoundError:
         return f"no {DIGESTS}"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{DIGESTS} unreadable ({type(e).__name__}: {e})"
-    missing = [r for r in want if not os.path.isfile(os.path.join(step_dir, *r.split("/")))]
+    if fs.is_remote(step_dir):
+        sizes = _remote_sizes(step_dir)
+    else:
+        sizes = {r: os.path.getsize(os.path.join(step_dir, *r.split("/"))) for r in want
+                 if os.path.isfile(os.path.join(step_dir, *r.split("/")))}
+    missing = [r for r in want if r not in sizes]
     if missing:
         return f"{len(missing)} file(s) missing, e.g. {missing[0]}"
-    resized = [r for r, w in want.items()
-               if os.path.getsize(os.path.join(step_dir, *r.split("/"))) != w["bytes"]]
+    resized = [r for r, w in want.items() if sizes[r] != w["bytes"]]
     if resized:
         return f"{len(resized)} file(s) changed size, e.g. {resized[0]}"
     try:
@@ -140,7 +173,8 @@ class Digester:
                       self.directory)
             return
         step = self.pending.popleft()
-        tmps = sorted(glob.glob(os.path.join(os.fspath(self.directory),
+        # On object stores orbax writes the step in place (no temporary folder, no rename).
+        tmps = [] if fs.is_remote(self.directory) else sorted(glob.glob(os.path.join(os.fspath(self.directory),
                                              f"{step}.orbax-checkpoint-tmp*")),
                       key=os.path.getmtime)
         step_dir = tmps[-1] if tmps else os.path.join(os.fspath(self.directory), str(step))

@@ -62,6 +62,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jax_tinybert import checkpoint_digests as digests
+from jax_tinybert import fs
 from jax_tinybert.coordination import Coordinator
 
 log = logging.getLogger(__name__)
@@ -347,7 +348,7 @@ class Checkpointer:
         # No digests.json: damage if the step's meta says it was written with them; else a
         # checkpoint of a version without digests (restored as before, unverified).
         try:
-            with open(step_dir / "meta" / "metadata") as fh:
+            with fs.open_file(step_dir / "meta" / "metadata") as fh:
                 digested = _DIGESTED in json.load(fh)
         except (OSError, ValueError, TypeError):
             digested = False  # the orbax restore reports an unreadable meta

@@ -15,7 +15,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jax_tinybert import config_base, layer_maps, losses, objectives, optim
+from jax_tinybert import config_base, fs, layer_maps, losses, objectives, optim
 from jax_tinybert.data import glue
 from jax_tinybert.errors import PathError, UserError
 from jax_tinybert.hf import WEIGHT_FILES, resolve_path
@@ -419,15 +419,15 @@ def config_fingerprint(config) -> Tuple[str, Dict[str, Any]]:
 def owned_by_a_run(workdir: str) -> bool:
     """A workdir is owned once a run in it has saved a checkpoint (or finished)."""
     for sub in ("checkpoints", "best"):
-        d = os.path.join(workdir, sub)
-        if os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d)):
+        d = fs.join(workdir, sub)
+        if fs.isdir(d) and any(n.isdigit() for n in fs.listdir(d)):
             return True
-    return os.path.exists(os.path.join(workdir, "summary.json"))
+    return fs.exists(fs.join(workdir, "summary.json"))
 
 
 def _latest_step(workdir: str) -> Optional[int]:
-    d = os.path.join(workdir, "checkpoints")
-    steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
+    d = fs.join(workdir, "checkpoints")
+    steps = [int(n) for n in fs.listdir(d) if n.isdigit()] if fs.isdir(d) else []
     return max(steps) if steps else None
 
 
@@ -460,9 +460,9 @@ def check_workdir(config, workdir: str) -> None:
     schedule change. A workdir where no run saved a checkpoint (e.g. a start that failed on
     missing data) is free. Records the config in workdir/config.json (process 0)."""
     fp, resolved = config_fingerprint(config)
-    path = os.path.join(workdir, CONFIG_RECORD)
-    if os.path.exists(path) and owned_by_a_run(workdir):
-        with open(path) as fh:
+    path = fs.join(workdir, CONFIG_RECORD)
+    if fs.exists(path) and owned_by_a_run(workdir):
+        with fs.open_file(path) as fh:
             old = json.load(fh)
         old_resolved = old.get("resolved") or {
             k: v for k, v in old.get("config", {}).items() if k not in RESUMABLE_CHANGES}
@@ -484,9 +484,6 @@ def check_workdir(config, workdir: str) -> None:
         if warning and jax.process_index() == 0:
             log.warning("%s", warning)
     if jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump({"version": 2, "fingerprint": fp, "config": _flat(config),
-                       "resolved": resolved}, fh, indent=1, default=str)
-        os.replace(tmp, path)
+        fs.makedirs(workdir)
+        fs.write_json_atomic(path, {"version": 2, "fingerprint": fp, "config": _flat(config),
+                                    "resolved": resolved}, indent=1, default=str)

@@ -160,12 +160,13 @@ def _export_mlm(config: BertConfig, tree: dict, out_dir: str, tokenizer_dir: Opt
 def _write_folder(out_dir: str, cfg: dict, tree: dict, torch_state: dict,
                   tokenizer_dir: Optional[str]) -> str:
     """Writes config.json, the weights and the tokenizer into a temp folder renamed to out_dir."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    out_dir = fs.abspath(out_dir)
+    if fs.exists(out_dir) and not fs.isdir(out_dir):
         raise FileExistsError(f"export_hf: {out_dir} exists and is not a folder")
-    # Hidden and beside out_dir, so a crashed export never looks like a model folder.
+    # Hidden and beside out_dir, so a crashed export never looks like a model folder (for a
+    # bucket: staged locally, uploaded beside it, copied into place with config.json last).
     fs.clean_stale_temps(out_dir)
-    tmp = fs.mkdtemp(out_dir)
+    tmp = fs.staging_dir(out_dir)
     try:
         _write_config(os.path.join(tmp, CONFIG_FILE), cfg)
         _write_flax(os.path.join(tmp, FLAX_FILE), tree)
@@ -176,7 +177,7 @@ def _write_folder(out_dir: str, cfg: dict, tree: dict, torch_state: dict,
         os.chmod(tmp, 0o755)
         for f in os.listdir(tmp):
             os.chmod(os.path.join(tmp, f), 0o644)
-        fs.swap_into_place(tmp, out_dir)
+        fs.publish_dir(tmp, out_dir, last=[CONFIG_FILE])
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -40,7 +40,7 @@ import ml_collections  # noqa: E402
 from absl import app, flags, logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from jax_tinybert import (build, cli_diagnose, cli_help, config_check, mlm_head,  # noqa: E402
+from jax_tinybert import (build, cli_diagnose, cli_help, config_check, fs, mlm_head,  # noqa: E402
                           pipeline, sharding, train)
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
 
@@ -78,17 +78,23 @@ def _parse_flags(argv):
 
 
 def _check_workdir(workdir: str) -> None:
-    if "://" in workdir:
-        # The run's own files (config, metrics, TensorBoard, caches, export) still go through
-        # local file APIs, which would write to a local folder named "gs:": refuse instead.
-        raise UserError(f"--workdir={workdir}: object-store URLs are not supported as a workdir "
-                        "yet (the outputs would go to a local folder named "
-                        f"{workdir.split('://')[0]}:); mount the bucket with gcsfuse and pass "
-                        "the mount path, e.g. --workdir=/mnt/gcs/run (docs/scaling.md)")
     if not workdir.strip():
         raise UserError("--workdir is empty; pass the folder for checkpoints, metrics and the "
                         "export, e.g. --workdir=runs/sst2/teacher")
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
+    if fs.is_remote(workdir):
+        # Every output goes through jax_tinybert/fs.py (etils.epath) and orbax: a bucket URL
+        # works as a workdir once its fsspec backend is there and the bucket answers.
+        if not workdir.startswith("gs://"):
+            raise UserError(f"--workdir={workdir}: only gs:// buckets (and local folders) are "
+                            "supported as a workdir; for another store mount it and pass the "
+                            "mount path")
+        if len(workdir.rstrip("/")) <= len("gs://") or workdir[5:].startswith("/"):
+            raise UserError(f"--workdir={workdir}: name a bucket, e.g. --workdir=gs://my-bucket/run")
+        try:
+            fs.check_reachable(workdir)
+        except OSError as e:
+            raise UserError(f"--workdir={workdir}: {one_line(e)}") from e
+    if fs.exists(workdir) and not fs.isdir(workdir):
         raise UserError(f"--workdir={workdir} is a file, not a folder; pass a folder (it is "
                         "created if missing)")
 
@@ -115,6 +121,10 @@ def main(argv):
     config = build.with_defaults(config)
     # Every field's range, before anything is written (the demo's stages check again).
     config_check.validate_config(config)
+    if config.stage == "demo" and fs.is_remote(FLAGS.workdir):
+        raise UserError(f"--workdir={FLAGS.workdir}: the demo needs a local workdir (each stage "
+                        "loads the previous stage's export from it); run the stages one by one "
+                        "with gs:// workdirs, or pass a local folder")
     try:
         if config.stage == "demo":
             pipeline.run_demo(config, FLAGS.workdir)

@@ -7,6 +7,12 @@ Resuming: `MetricsWriter(workdir, start_step=s)` keeps only the records of steps
 restored checkpoint; later ones were written by the killed run and are about to be replayed)
 and rebuilds `tb/` from them as a single events file, so a resumed run's metrics equal an
 unbroken run's: no step repeated, no second events file.
+
+A workdir in a bucket (gs://...) cannot be appended to: both files are written to a local
+folder and uploaded whole (each one object, so a reader sees a complete earlier version) at most
+every `upload_every_s` seconds (JTB_METRICS_UPLOAD_S, default 30), and at `close()` (end of
+the run, preemption). A run killed without warning loses at most that long of metrics; they are
+rewritten when the resumed run replays those steps.
 """
 from __future__ import annotations
 
@@ -14,8 +20,11 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
+
+from jax_tinybert import fs
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +35,7 @@ def read_jsonl(path: str) -> List[dict]:
     """The records of a metrics.jsonl; a torn last line (killed mid-write) is skipped."""
     out = []
     try:
-        with open(path) as fh:
+        with fs.open_file(path) as fh:
             for line in fh:
                 try:
                     rec = json.loads(line)
@@ -47,16 +56,29 @@ class MetricsWriter:
     to whatever is there.
     """
 
-    def __init__(self, workdir: str, enabled: bool = True, start_step: int | None = None):
+    def __init__(self, workdir: str, enabled: bool = True, start_step: int | None = None,
+                 upload_every_s: Optional[float] = None):
         self.enabled = enabled
         self._tb = None
         self._fh = None
+        self._remote: Optional[str] = None   # the bucket workdir; files are staged locally
         if not enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        path = os.path.join(workdir, "metrics.jsonl")
+        path = fs.join(workdir, "metrics.jsonl")
+        kept = read_jsonl(path) if start_step is not None or fs.is_remote(workdir) else []
         if start_step is not None:
-            kept = [r for r in read_jsonl(path) if r["step"] <= start_step]
+            kept = [r for r in kept if r["step"] <= start_step]
+        if fs.is_remote(workdir):
+            self._remote = workdir
+            self._upload_every = float(os.environ.get("JTB_METRICS_UPLOAD_S", 30)
+                                       if upload_every_s is None else upload_every_s)
+            self._last_upload = time.monotonic()
+            self._local = tempfile.mkdtemp(prefix="jtb-metrics-")
+            workdir = self._local
+            path = os.path.join(workdir, "metrics.jsonl")
+        else:
+            os.makedirs(workdir, exist_ok=True)
+        if start_step is not None or self._remote:
             tmp = path + ".tmp"
             with open(tmp, "w") as fh:
                 for r in kept:
@@ -73,6 +95,8 @@ class MetricsWriter:
             # One events file holding exactly the kept records (TensorBoard would otherwise
             # show the killed run's extra steps, and the replayed ones twice, from a 2nd file).
             shutil.rmtree(tb_dir, ignore_errors=True)
+            if self._remote:
+                fs.rmtree(fs.join(self._remote, "tb"))
         self._tb = SummaryWriter(tb_dir)
         if start_step is not None:
             for r in kept:
@@ -93,6 +117,22 @@ class MetricsWriter:
         self._fh.flush()
         if self._tb is not None:
             self._add_tb(rec)
+        if self._remote and time.monotonic() - self._last_upload >= self._upload_every:
+            self.upload()
+
+    def upload(self) -> None:
+        """Bucket workdir: upload metrics.jsonl and the TensorBoard events as they are now."""
+        if not self._remote:
+            return
+        if self._tb is not None:
+            self._tb.flush()
+        for d, _, files in os.walk(self._local):
+            for f in files:
+                if f.endswith(".tmp"):
+                    continue
+                rel = os.path.relpath(os.path.join(d, f), self._local)
+                fs.upload_file(os.path.join(d, f), fs.join(self._remote, *rel.split(os.sep)))
+        self._last_upload = time.monotonic()
 
     def close(self) -> None:
         if self._fh is not None:
@@ -101,3 +141,7 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._remote:
+            self.upload()
+            shutil.rmtree(self._local, ignore_errors=True)
+            self._remote = None

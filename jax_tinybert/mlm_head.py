@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_tinybert import build
+from jax_tinybert import build, fs
 from jax_tinybert.config_check import ConfigValueError
 from jax_tinybert.data import corpus as corpus_lib
 from jax_tinybert.data import tokenize
@@ -190,10 +190,10 @@ def fit(config, workdir: str) -> dict:
     accuracy before/after, steps, wall time) and returns the summary. A finished workdir (its
     summary.json exists) is not refitted.
     """
-    workdir = os.path.abspath(workdir)
-    done = os.path.join(workdir, "summary.json")
-    if os.path.exists(done):
-        with open(done) as fh:
+    workdir = fs.abspath(workdir)
+    done = fs.join(workdir, "summary.json")
+    if fs.exists(done):
+        with fs.open_file(done) as fh:
             return json.load(fh)
     m, tc = config.mlm, config.train
     if not config.data.corpus:
@@ -267,17 +267,14 @@ def fit(config, workdir: str) -> dict:
             print(f"eval step {step}: masked_token_acc={ev['masked_token_acc']:.4f} "
                   f"loss={ev['loss']:.3f}", flush=True)
     host = jax.tree_util.tree_map(np.asarray, jax.device_get(state))
-    export_dir = export_hf(bcfg, host, os.path.join(workdir, "export"), tokenizer_dir=enc_path)
+    export_dir = export_hf(bcfg, host, fs.join(workdir, "export"), tokenizer_dir=enc_path)
     summary = {"stage": "mlm_head", "encoder": enc_path, "freeze_encoder": freeze,
                "steps": steps, "batch_size": int(tc.batch_size), "seq_len": seq_len,
                "train_sequences": int(len(train_idx)), "eval_sequences": int(len(eval_idx)),
                "before": before, "after": history[-1], "eval_history": history,
                "wall_s": time.time() - t0, "export": export_dir}
-    os.makedirs(workdir, exist_ok=True)
-    tmp = done + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(summary, fh, indent=1, default=float)
-    os.replace(tmp, done)
+    fs.makedirs(workdir)
+    fs.write_json_atomic(done, summary, indent=1, default=float)
     print(f"[mlm_head] done in {summary['wall_s']:.0f}s; held-out masked-token accuracy "
           f"{before['masked_token_acc']:.4f} -> {history[-1]['masked_token_acc']:.4f}; "
           f"exported to {export_dir}", flush=True)

@@ -18,7 +18,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from jax_tinybert import build, config_base
+from jax_tinybert import build, config_base, fs
 from jax_tinybert.checkpoints import Checkpointer
 from jax_tinybert.data import glue
 from jax_tinybert.export import export_hf, student_tree
@@ -28,11 +28,11 @@ log = logging.getLogger(__name__)
 
 def read_run_config(workdir: str) -> ml_collections.ConfigDict:
     """The config a run was started with, from its workdir/config.json (config_check writes it)."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    path = fs.join(workdir, "config.json")
+    if not fs.exists(path):
         raise FileNotFoundError(f"{workdir}: no config.json; is this a training workdir "
                                 "(python -m jax_tinybert.main --workdir=...)?")
-    with open(path) as fh:
+    with fs.open_file(path) as fh:
         flat = json.load(fh)["config"]
     config = config_base.base_config()
     for key, value in flat.items():
@@ -57,7 +57,7 @@ def _abstract_from_checkpoint(step_dir: str):
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        meta = ocp.StandardCheckpointer().metadata(os.path.abspath(os.path.join(step_dir, "state")))
+        meta = ocp.StandardCheckpointer().metadata(fs.abspath(fs.join(step_dir, "state")))
     finally:
         absl.setLevel(level)
     tree = getattr(meta, "item_metadata", meta)

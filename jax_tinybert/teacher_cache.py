@@ -109,12 +109,15 @@ class TeacherCache:
     Rows with example_id < 0 (filler rows of eval batches) come back as zeros.
     """
 
-    def __init__(self, path: str, verify: bool = True):
+    def __init__(self, path: str, verify: bool = True, local: Optional[str] = None):
         self.path = path
+        # np.memmap needs local files: a cache in a bucket is read from a downloaded copy
+        # (`local`: one the caller already has, e.g. the folder it was just built in).
+        self.local_dir = local or fs.local_mirror(path)
         self.build_stats: Optional[Dict[str, float]] = None   # set by `build`: rate, seconds
-        meta_path = os.path.join(path, META)
+        meta_path = fs.join(path, META)
         try:
-            with open(meta_path) as fh:
+            with open(os.path.join(self.local_dir, META)) as fh:
                 self.meta = json.load(fh)
         except (OSError, json.JSONDecodeError) as e:
             raise CacheError(f"{meta_path}: unreadable ({type(e).__name__}: {e})") from e
@@ -129,18 +132,18 @@ class TeacherCache:
             raise CacheError(f"{path}: {FILLED} does not match meta.json")
 
     def _open(self, fname: str, info: dict, verify: bool) -> np.ndarray:
-        p = os.path.join(self.path, fname)
+        p, shown = os.path.join(self.local_dir, fname), fs.join(self.path, fname)
         try:
             a = np.load(p, mmap_mode="r")
         except (OSError, ValueError) as e:  # missing, or shorter than its header says
-            raise CacheError(f"{p}: unreadable ({type(e).__name__}: {e})") from e
+            raise CacheError(f"{shown}: unreadable ({type(e).__name__}: {e})") from e
         if list(a.shape) != list(info["shape"]) or str(a.dtype) != info["dtype"]:
-            raise CacheError(f"{p}: shape {a.shape} {a.dtype}, meta.json says "
+            raise CacheError(f"{shown}: shape {a.shape} {a.dtype}, meta.json says "
                              f"{info['shape']} {info['dtype']}")
         if os.path.getsize(p) != info["bytes"]:
-            raise CacheError(f"{p}: {os.path.getsize(p)} bytes, expected {info['bytes']}")
+            raise CacheError(f"{shown}: {os.path.getsize(p)} bytes, expected {info['bytes']}")
         if verify and _crc32(p) != info["crc32"]:
-            raise CacheError(f"{p}: checksum mismatch (corrupt file)")
+            raise CacheError(f"{shown}: checksum mismatch (corrupt file)")
         return a
 
     @property
@@ -170,13 +173,26 @@ class TeacherCache:
 def open_cache(path: str, fingerprint: Optional[Mapping[str, Any]] = None,
                verify: bool = True) -> TeacherCache:
     """Open a cache; CacheError if it is unusable or (when given) its fingerprint differs."""
+    if fs.is_remote(path) and fingerprint is not None:
+        # Compare before downloading the whole cache.
+        try:
+            with fs.open_file(fs.join(path, META)) as fh:
+                old = json.load(fh).get("fingerprint")
+        except (OSError, ValueError, AttributeError) as e:
+            raise CacheError(f"{fs.join(path, META)}: unreadable ({type(e).__name__}: {e})") from e
+        if old != _normalise(fingerprint):
+            raise CacheError(f"{path}: built from other inputs (fingerprint fields differ: "
+                             f"{', '.join(_fingerprint_diff(old or {}, fingerprint))})")
     cache = TeacherCache(path, verify=verify)
     if fingerprint is not None and cache.fingerprint != _normalise(fingerprint):
-        old, new = cache.fingerprint, _normalise(fingerprint)
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise CacheError(f"{path}: built from other inputs (fingerprint fields differ: "
-                         f"{', '.join(diff)})")
+                         f"{', '.join(_fingerprint_diff(cache.fingerprint, fingerprint))})")
     return cache
+
+
+def _fingerprint_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list:
+    new = _normalise(new)
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
 # ----------------------------------------------------------------------------- building
@@ -217,13 +233,12 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     `valid == 0` (or example_id < 0) are skipped. Any existing folder at `path` is replaced
     only once the new one is complete.
     """
-    path = os.path.abspath(path)
-    parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
+    path = fs.abspath(path)
+    fs.makedirs(os.path.dirname(path))
     # Once, not per batch: host numpy params would be copied to the device at every call.
     params = jax.device_put(params)
     fs.clean_stale_temps(path)
-    tmp = fs.mkdtemp(path)
+    tmp = fs.staging_dir(path)   # local files (memmaps) either way; uploaded by publish_dir
     prog = Progress("teacher cache", total=num_examples, unit="ex")
     try:
         files: Dict[str, np.ndarray] = {}
@@ -269,12 +284,13 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         # meta.json last: a folder without it is never mistaken for a complete cache.
         with open(os.path.join(tmp, META), "w") as fh:
             json.dump(meta, fh, indent=1, sort_keys=True)
-        fs.swap_into_place(tmp, path)
+        # Remote: the staged folder stays as this process's local copy.
+        fs.publish_dir(tmp, path, last=[META], keep_local=fs.is_remote(path))
     except BaseException:
         prog.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    cache = TeacherCache(path, verify=False)
+    cache = TeacherCache(path, verify=False, local=tmp if fs.is_remote(path) else None)
     cache.build_stats = {"examples_per_s": prog.rate, "seconds": prog.elapsed}
     return cache
 
@@ -299,7 +315,7 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
     # A build killed earlier (kill -9, preemption) left its hidden temporary folder behind.
     for t in fs.clean_stale_temps(path):
         log.warning("teacher cache: removed %s, left by an interrupted build", t)
-    if os.path.exists(os.path.join(path, META)) or os.path.isdir(path):
+    if fs.exists(fs.join(path, META)) or fs.isdir(path):
         try:
             cache = open_cache(path, fingerprint, verify=verify)
             log.info("teacher cache %s: up to date (%d examples)", path, cache.num_examples)
@@ -338,7 +354,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None,
         "objective": getattr(obj, "name", None),
     }
     name = "teacher" if jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
-    path = os.path.join(workdir, "cache", name)
+    path = fs.join(workdir, "cache", name)
     buckets = getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
     bs = min(batch_size, max(1, n))
 

@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_tinybert import build
+from jax_tinybert import build, fs
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
@@ -218,7 +218,7 @@ def _wall_before(workdir: str, start_step: int, past: dict) -> float:
     """Seconds spent by the earlier segments of this run: up to the restored checkpoint, or
     the whole previous run when it had finished (its summary.json is at the same step)."""
     try:
-        with open(os.path.join(workdir, "summary.json")) as fh:
+        with fs.open_file(fs.join(workdir, "summary.json")) as fh:
             done = json.load(fh)
         if done.get("steps") == start_step and start_step > 0:
             return float(done["wall_s"])

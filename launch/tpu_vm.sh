@@ -14,7 +14,7 @@ Subcommands:
                       (queued-resources create); extra gcloud flags may follow `--`
   setup               copy this checkout to every worker (tpu-vm scp --worker=all --recurse), or
                       clone --git URL there, then create a Python venv with uv and
-                      `pip install -e <dir> "jax[tpu]"` on every worker
+                      `pip install -e "<dir>[gcs]" "jax[tpu]"` on every worker (gcsfs: gs:// workdirs)
   run CONFIG [ARGS]   on every worker, nohup `<venv>/bin/python -m jax_tinybert.main --config=CONFIG ARGS`
                       in <remote-dir>, each worker logging to <log-dir>/<run-id>/worker-<i>.log;
                       everything after CONFIG is passed to the program unchanged
@@ -264,7 +264,7 @@ case "$SUBCOMMAND" in
     install="set -euo pipefail; export PATH=\"\$HOME/.local/bin:\$PATH\"
 command -v uv >/dev/null || python3 -m pip install --user --quiet uv || curl -LsSf https://astral.sh/uv/install.sh | sh
 test -x $venv/bin/python || uv venv --python $(printf '%q' "$PYTHON_VERSION") $venv
-uv pip install --python $venv/bin/python -e $dir $(printf '%q' "$JAX_SPEC")
+uv pip install --python $venv/bin/python -e $dir'[gcs]' $(printf '%q' "$JAX_SPEC")
 $venv/bin/python -c 'import jax, jax_tinybert; print(\"jax\", jax.__version__, \"ok\")'"
     tpu_ssh all "$install"
     ;;

@@ -69,8 +69,9 @@ def _one_line_error(r, *needles):
 BAD_INPUTS = [  # (extra args, replacing FINETUNE's where the flag is the same; what the line says)
     (["--config.data.glue_dir="], ["no GLUE data for SST-2: set GLUE_DIR or --config.data.glue_dir",
           "--config.data.glue_dir=../shared/data/glue"]),
-    (["--workdir=gs://bucket/run"], ["--workdir=gs://bucket/run: object-store URLs are not "
-                                     "supported", "mount the bucket with gcsfuse"]),
+    (["--workdir=s3://bucket/run"], ["--workdir=s3://bucket/run: only gs:// buckets (and local "
+                                     "folders) are supported", "mount it"]),
+    (["--workdir=gs:///run"], ["--workdir=gs:///run: name a bucket"]),
     (["--config.data.task=sst3"], ["config.data.task: unknown GLUE task 'sst3'",
                                    "did you mean SST-2?"]),
     (["--config=configs/finetune_teacher.py:sst3"], ["--config=configs/finetune_teacher.py:sst3: "

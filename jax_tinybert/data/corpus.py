@@ -24,6 +24,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
+from jax_tinybert import fs
 from jax_tinybert.data.batching import BucketedBatcher
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
 from jax_tinybert.progress import Progress
@@ -193,9 +194,12 @@ class _RaggedWriter:
 
     def __init__(self, out_dir: str, pad_id: int):
         self.out_dir = out_dir
-        self.tmp = f"{out_dir}.tmp-{socket.gethostname()}-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        os.makedirs(self.tmp)
+        if fs.is_remote(out_dir):   # a bucket: written locally, uploaded by finish()
+            self.tmp = fs.staging_dir(out_dir)
+        else:
+            self.tmp = f"{out_dir}.tmp-{socket.gethostname()}-{os.getpid()}"
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            os.makedirs(self.tmp)
         self.f_ids = open(os.path.join(self.tmp, "input_ids.bin"), "wb")
         self.f_tt = open(os.path.join(self.tmp, "token_type_ids.bin"), "wb")
         self.f_off = open(os.path.join(self.tmp, "offsets.bin"), "wb")
@@ -217,6 +221,11 @@ class _RaggedWriter:
         meta = dict(meta, num_sequences=self.n, num_tokens=self.total, pad_id=self.pad_id)
         with open(os.path.join(self.tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
+        if fs.is_remote(self.out_dir):
+            # meta.json last: a folder without it is not a cache. The staged files stay as
+            # this process's local copy (memmapped).
+            fs.publish_dir(self.tmp, self.out_dir, last=["meta.json"], keep_local=True)
+            return open_ragged(self.tmp)
         try:
             os.replace(self.tmp, self.out_dir)
         except OSError:
@@ -228,7 +237,9 @@ class _RaggedWriter:
 
 
 def open_ragged(path: str) -> EncodedDataset:
-    """Memmaps a folder written by `build_packed_corpus` / `read_pregenerated`."""
+    """Memmaps a folder written by `build_packed_corpus` / `read_pregenerated` (a folder in
+    a bucket is downloaded first: np.memmap needs local files)."""
+    path = fs.local_mirror(path)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
 
@@ -258,10 +269,10 @@ def build_packed_corpus(files: PathOrPaths, tokenizer, seq_len: int = 128, *,
     files = list_text_files(files)
     h = hashlib.sha256("\0".join([tokenizer_fingerprint(tokenizer), _files_key(files),
                                   str(seq_len), mode]).encode()).hexdigest()[:24]
-    out = os.path.join(cache_dir, f"packed-{seq_len}-{h}")
-    if os.path.exists(os.path.join(out, "meta.json")):
+    out = fs.join(cache_dir, f"packed-{seq_len}-{h}")
+    if fs.exists(fs.join(out, "meta.json")):
         return open_ragged(out)
-    os.makedirs(cache_dir, exist_ok=True)
+    fs.makedirs(cache_dir)
     w = _RaggedWriter(out, tokenizer.pad_token_id or 0)
     stream = PackedTextStream(files, tokenizer, seq_len, mode)
     sizes = np.cumsum([0] + [os.path.getsize(f) for f in files])
@@ -313,10 +324,10 @@ def read_pregenerated(path: str, tokenizer, *, epoch: int = 0, max_seq_len: Opti
         st = os.stat(fpath)
         h = hashlib.sha256(f"{tokenizer_fingerprint(tokenizer)}\0{os.path.abspath(fpath)}\0"
                            f"{st.st_size}\0{st.st_mtime_ns}\0{max_seq_len}".encode()).hexdigest()[:24]
-        out = os.path.join(cache_dir, f"pregen-{h}")
-        if os.path.exists(os.path.join(out, "meta.json")):
+        out = fs.join(cache_dir, f"pregen-{h}")
+        if fs.exists(fs.join(out, "meta.json")):
             return open_ragged(out)
-        os.makedirs(cache_dir, exist_ok=True)
+        fs.makedirs(cache_dir)
         w = _RaggedWriter(out, pad)
     ids_l, tt_l = [], []
     n_unk = 0

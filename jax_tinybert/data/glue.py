@@ -12,10 +12,10 @@ import csv
 import dataclasses
 import difflib
 import logging
-import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from jax_tinybert import fs
 from jax_tinybert.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def _parse_label(spec: TaskSpec, raw: str, where: str):
 def _tsv_rows(path: str):
     """(1-based line number, row) per line of a GLUE TSV; row is a list of fields, or a
     DataError for a line that is not UTF-8 (so `skip_bad_rows` can skip it)."""
-    with open(path, "rb") as f:
+    with fs.open_file(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # GLUE's MRPC files have a BOM
                 raw = raw[3:]
@@ -217,7 +217,7 @@ def read_tsv_split(task, split: str, path: str, *, skip_bad_rows: bool = False,
     spec = get_task(task)
     if with_labels is None:
         with_labels = split != "test"
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
         raise DataError(f"{spec.dir_name} {split}: file not found: {path} (expected the GLUE "
                         f"folder layout <glue_dir>/{spec.dir_name}/<split>.tsv)")
     examples: List[Example] = []
@@ -260,7 +260,7 @@ def tsv_path(glue_dir: str, task, split: str) -> str:
     """<glue_dir>/<TaskDir>/<split>.tsv (MNLI dev splits: dev_matched.tsv / dev_mismatched.tsv)."""
     spec = get_task(task)
     s = _split_name(spec, split)
-    return os.path.join(glue_dir, spec.dir_name, spec.splits.get(s, s) + ".tsv")
+    return fs.join(glue_dir, spec.dir_name, spec.splits.get(s, s) + ".tsv")
 
 
 def _from_records(spec: TaskSpec, split: str, records, source: str) -> List[Example]:

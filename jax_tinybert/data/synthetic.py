@@ -8,11 +8,11 @@ to read the sentence. Written in GLUE's SST-2 TSV format so the normal readers h
 """
 from __future__ import annotations
 
-import os
 from typing import List, Tuple
 
 import numpy as np
 
+from jax_tinybert import fs
 from jax_tinybert.fs import atomic_open
 
 POS = ("wonderful", "brilliant", "moving", "charming", "delightful", "gripping", "superb",
@@ -55,10 +55,10 @@ def make_split(n: int, seed: int) -> List[Tuple[str, int]]:
 
 def write_sst2_like(out_dir: str, n_train: int = 2000, n_dev: int = 400, seed: int = 0) -> str:
     """Writes out_dir/SST-2/{train,dev}.tsv (GLUE format) atomically; returns out_dir."""
-    d = os.path.join(out_dir, "SST-2")
-    os.makedirs(d, exist_ok=True)
+    d = fs.join(out_dir, "SST-2")
+    fs.makedirs(d)
     for split, n, s in (("train", n_train, seed), ("dev", n_dev, seed + 1)):
-        path = os.path.join(d, f"{split}.tsv")
+        path = fs.join(d, f"{split}.tsv")
         with atomic_open(path, "w") as fh:
             fh.write("sentence\tlabel\n")
             for text, y in make_split(n, s):

