@@ -120,9 +120,16 @@ class MetricsWriter:
         if self._remote and time.monotonic() - self._last_upload >= self._upload_every:
             self.upload()
 
-    def upload(self) -> None:
-        """Bucket workdir: upload metrics.jsonl and the TensorBoard events as they are now."""
+    def upload(self, quiet: bool = False) -> None:
+        """Bucket workdir: upload metrics.jsonl and the TensorBoard events as they are now.
+        quiet: log a failure instead of raising (used while another error propagates)."""
         if not self._remote:
+            return
+        if quiet:
+            try:
+                self.upload()
+            except Exception as e:  # noqa: BLE001 - the caller's error matters more
+                log.warning("could not upload the metrics to %s: %s", self._remote, e)
             return
         if self._tb is not None:
             self._tb.flush()

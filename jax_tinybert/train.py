@@ -96,6 +96,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
             _save_and_maybe_stop(ckpt, preemption, writer, step, run.total_steps, state, metrics,
                                  meta, workdir)
         ckpt.wait()
+    except BaseException:
+        # A bucket workdir gets the metrics so far (locally they are on disk already).
+        writer.upload(quiet=True)
+        raise
     finally:
         preemption.uninstall()
 

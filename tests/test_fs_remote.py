@@ -4,6 +4,7 @@ import json
 import os
 import uuid
 
+import numpy as np
 import pytest
 
 from helpers import gcs_emulator
@@ -107,3 +108,25 @@ def test_clean_stale_temps_on_a_bucket(root):
 def test_missing_backend_is_one_line(monkeypatch):
     with pytest.raises(fs.RemoteFSError, match="pip install"):
         fs.url_fs("nosuchproto://bucket/x")
+
+
+def test_packed_corpus_cache_in_a_bucket(root, teacher_dir, tmp_path):
+    """The memmapped corpus cache: built locally, published to the bucket (meta.json last),
+    and read back by a later run from a downloaded copy: same sequences as a local cache."""
+    from jax_tinybert.data import corpus, tokenize
+
+    tok = tokenize.load_tokenizer(teacher_dir)
+    text = tmp_path / "c.txt"
+    text.write_text("".join(f"Sentence number {i} of the tiny corpus.\n" + ("\n" if i % 3 == 2 else "")
+                            for i in range(60)))
+    local = corpus.build_packed_corpus([str(text)], tok, 32, cache_dir=str(tmp_path / "cache"))
+    built = corpus.build_packed_corpus([str(text)], tok, 32, cache_dir=f"{root}/cache")
+    names = _objects(f"{root}/cache")
+    assert len(names) == 4 and all(n.startswith("packed-32-") for n in names), names
+    assert sorted(n.split("/")[1] for n in names) == ["input_ids.bin", "meta.json", "offsets.bin",
+                                                      "token_type_ids.bin"]
+    again = corpus.build_packed_corpus([str(text)], tok, 32, cache_dir=f"{root}/cache")
+    for ds in (built, again):
+        assert len(ds) == len(local) > 1
+        np.testing.assert_array_equal(np.asarray(ds.input_ids), np.asarray(local.input_ids))
+        np.testing.assert_array_equal(np.asarray(ds.offsets), np.asarray(local.offsets))
