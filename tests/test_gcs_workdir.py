@@ -145,6 +145,16 @@ def test_cli_run_preempted_and_resumed_in_a_bucket(emulator, tmp_path_factory, t
     cfg, params = load_pretrained(fs.local_mirror(f"{wd}/export"))
     assert cfg.hidden_size == 16 and "classifier" in params
 
+    # run_export of the bucket run's best checkpoint, into the bucket: the run's own export
+    # (which is the best checkpoint's weights) again.
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.run_export", f"--workdir={wd}",
+                          f"--out={wd}/export_best", "--which=best"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "config.json" in _objects(f"{wd}/export_best")
+    _, again = load_pretrained(fs.local_mirror(f"{wd}/export_best"))
+    assert T.max_abs_diff(again, params) == 0.0
+
 
 def test_missing_bucket_is_a_one_line_error(emulator, tmp_path):
     res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", "--config=configs/finetune_teacher.py",
