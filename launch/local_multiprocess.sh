@@ -20,7 +20,8 @@ Options:
   -p, --port P            coordinator port (default: a free port chosen now)
   -t, --timeout SECS      kill everything and exit 124 after SECS seconds (default 0 = none)
   -l, --log-dir DIR       per-process logs DIR/process_<i>.log
-                          (default: <workdir>/logs if --workdir=... is given, else a new temp dir)
+                          (default: <workdir>/logs if --workdir=... is a local folder, else a
+                          new temp dir)
   -m, --module MOD        Python module to run (default jax_tinybert.main)
   -q, --quiet             do not echo process 0's log to the console
       --dry-run           print the commands and exit
@@ -100,7 +101,8 @@ fi
 
 if [[ -z "$LOG_DIR" ]]; then
   for arg in "${PROGRAM_ARGS[@]+"${PROGRAM_ARGS[@]}"}"; do
-    case "$arg" in --workdir=*) LOG_DIR="${arg#--workdir=}/logs" ;; esac
+    # A bucket URL (gs://...) is no local folder: its logs go to a temp dir instead.
+    case "$arg" in --workdir=*://*) ;; --workdir=*) LOG_DIR="${arg#--workdir=}/logs" ;; esac
   done
 fi
 if [[ -z "$LOG_DIR" ]]; then
