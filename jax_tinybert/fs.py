@@ -51,7 +51,7 @@ from etils import epath
 __all__ = ["is_remote", "abspath", "join", "exists", "isdir", "isfile", "listdir", "getsize",
            "makedirs", "remove", "rmtree", "open_file", "umask_mode", "mkstemp", "mkdtemp",
            "clean_stale_temps", "atomic_open", "write_json_atomic", "swap_into_place",
-           "staging_dir", "publish_dir", "local_mirror", "upload_file", "check_reachable", "url_fs",
+           "scratch_dir", "staging_dir", "publish_dir", "local_mirror", "upload_file", "check_reachable", "url_fs",
            "RemoteFSError"]
 
 # Temporaries of other hosts (shared filesystem) cannot be checked by pid: those older than this
@@ -303,14 +303,21 @@ def swap_into_place(tmp: str, out_dir: str) -> None:
 
 # ----------------------------------------------------------------------------- folders
 
+def scratch_dir(kind: str) -> str:
+    """A new local working folder for the files of a bucket output (staged uploads, downloaded
+    caches, metrics), under <tempdir>/jax_tinybert-scratch and named like a temporary
+    (`mkdtemp`), so the ones left by a killed process are removed by the next call."""
+    path = os.path.join(tempfile.gettempdir(), "jax_tinybert-scratch", kind)
+    clean_stale_temps(path)
+    return mkdtemp(path)
+
+
 def staging_dir(out_dir: str) -> str:
     """A new empty local folder to write the future `out_dir` into with plain file I/O: a hidden
-    temporary beside it (`mkdtemp`) for a local out_dir, a local temporary folder for a URL."""
+    temporary beside it (`mkdtemp`) for a local out_dir, a `scratch_dir` for a URL."""
     if not is_remote(out_dir):
         return mkdtemp(out_dir)
-    tmp = tempfile.mkdtemp(prefix="jtb-stage-")
-    os.chmod(tmp, umask_mode(0o777))
-    return tmp
+    return scratch_dir("stage-" + os.fspath(out_dir).rstrip("/").rsplit("/", 1)[-1])
 
 
 def _local_files(root: str) -> List[str]:
@@ -364,7 +371,7 @@ def local_mirror(path: str) -> str:
     new temporary folder the files are downloaded to (deleted when the process exits)."""
     if not is_remote(path):
         return path
-    local = tempfile.mkdtemp(prefix="jtb-mirror-")
+    local = scratch_dir("mirror")
     _delete_at_exit(local)
     root = os.fspath(path).rstrip("/")
     fsys, p = url_fs(root)

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from typing import Dict, List, Optional
 
@@ -73,7 +72,7 @@ class MetricsWriter:
             self._upload_every = float(os.environ.get("JTB_METRICS_UPLOAD_S", 30)
                                        if upload_every_s is None else upload_every_s)
             self._last_upload = time.monotonic()
-            self._local = tempfile.mkdtemp(prefix="jtb-metrics-")
+            self._local = fs.scratch_dir("metrics")
             workdir = self._local
             path = os.path.join(workdir, "metrics.jsonl")
         else:

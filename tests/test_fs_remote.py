@@ -130,3 +130,16 @@ def test_packed_corpus_cache_in_a_bucket(root, teacher_dir, tmp_path):
         assert len(ds) == len(local) > 1
         np.testing.assert_array_equal(np.asarray(ds.input_ids), np.asarray(local.input_ids))
         np.testing.assert_array_equal(np.asarray(ds.offsets), np.asarray(local.offsets))
+
+
+def test_scratch_dirs_of_dead_processes_are_removed():
+    """Local working folders of bucket outputs (staged uploads, downloads, metrics) left by a
+    killed process are removed by the next one; a live process's are kept."""
+    mine = fs.scratch_dir("mirror")
+    parent = os.path.dirname(mine)
+    dead = os.path.join(parent, f".mirror.tmp-{fs._host()}-999999999-abcd1234")
+    os.makedirs(dead)
+    again = fs.scratch_dir("mirror")
+    assert not os.path.exists(dead) and os.path.isdir(mine) and os.path.isdir(again)
+    for d in (mine, again):
+        os.rmdir(d)
