@@ -7,6 +7,9 @@ import tempfile
 
 import pytest
 
+# `--cpu-durations=N`: per-test CPU seconds, subprocesses included (tests/helpers/cpu_time.py).
+pytest_plugins = ["helpers.cpu_time"]
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # One persistent XLA compilation cache for this test session, this process and every subprocess
