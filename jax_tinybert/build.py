@@ -147,16 +147,7 @@ class Data:
 
 def subset(ds, n: int, seed: int):
     """n examples of an EncodedDataset drawn with a seeded shuffle, in dataset order (0 = all)."""
-    if not n or n >= len(ds):
-        return ds
-    idx = np.sort(np.random.default_rng(seed).permutation(len(ds))[:n])
-    offs = ds.offsets
-    ids = np.concatenate([ds.input_ids[offs[i]:offs[i + 1]] for i in idx])
-    tts = np.concatenate([ds.token_type_ids[offs[i]:offs[i + 1]] for i in idx])
-    lens = np.diff(offs)[idx]
-    return tokenize.EncodedDataset(
-        ids, tts, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-        None if ds.labels is None else ds.labels[idx], ds.pad_id, ds.num_truncated)
+    return tokenize.take(ds, tokenize.subset_indices(len(ds), n, seed))
 
 
 def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
@@ -185,14 +176,13 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
         raise ConfigValueError(
             f"no GLUE data for {spec.dir_name}: set GLUE_DIR or --config.data.glue_dir to a "
             f"folder holding {spec.dir_name}/train.tsv, or use --config.data.source=hf (online)")
-    load = lambda split, path=None: tokenize.load_glue_encoded(
+    # The subset is chosen before tokenisation: a small run does not tokenize the whole split.
+    load = lambda split, n, subset_seed, path=None: tokenize.load_glue_encoded(
         spec, split, tok, dc.max_len, glue_dir=glue_dir or None, path=path,
         cache_dir=cache_dir if dc.source == "tsv" else None, skip_bad_rows=dc.skip_bad_rows,
-        source=dc.source)
-    train_ds = load("train", dc.train_file or None)
-    eval_ds = load(spec.eval_splits[0])
-    train_ds = subset(train_ds, dc.train_subset, seed)
-    eval_ds = subset(eval_ds, dc.eval_subset, seed + 1)
+        source=dc.source, subset=n, subset_seed=subset_seed)
+    train_ds = load("train", dc.train_subset, seed, dc.train_file or None)
+    eval_ds = load(spec.eval_splits[0], dc.eval_subset, seed + 1)
     buckets = batching.resolve_buckets(dc.buckets, dc.max_len, train_ds.lengths, dc.max_buckets)
     batches = batching.BucketedBatcher(train_ds, gb, buckets, train=True, seed=seed)
     ev = batching.BucketedBatcher(eval_ds, config.train.eval_batch_size, buckets, train=False)

@@ -211,3 +211,31 @@ def test_cache_is_reused_and_invalidated(glue_dir, tmp_path, tok):
     path.write_bytes(src.read_bytes().replace(b"foodservice", b"food service"))
     tokenize.load_glue_encoded("mrpc", "dev", tok, 128, path=str(path), cache_dir=str(cache))
     assert len(os.listdir(cache)) == 3  # max_len and content both change the key; no temp files
+
+
+@pytest.mark.parametrize("task,split", [("mrpc", "train"), ("sst2", "dev")])
+def test_subset_tokenizes_only_its_examples_and_equals_the_whole_then_subset(
+        glue_dir, tmp_path, tok, task, split, caplog):
+    whole = tokenize.load_glue_encoded(task, split, tok, 64, glue_dir=str(glue_dir))
+    idx = tokenize.subset_indices(len(whole), 100, 7)
+    assert len(idx) == 100 and np.all(np.diff(idx) > 0)
+    want = tokenize.take(whole, idx)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="jax_tinybert.data.tokenize"):
+        got = tokenize.load_glue_encoded(task, split, tok, 64, glue_dir=str(glue_dir),
+                                         cache_dir=str(cache), subset=100, subset_seed=7)
+    assert f"100 of {len(whole)} examples (subset)" in caplog.text
+    assert not cache.exists() or not os.listdir(cache)   # a subset is not cached as the split
+    for k in ("input_ids", "token_type_ids", "offsets", "labels"):
+        np.testing.assert_array_equal(getattr(got, k), getattr(want, k), err_msg=k)
+    assert got.input_ids.dtype == whole.input_ids.dtype and got.labels.dtype == whole.labels.dtype
+    # With the whole split cached, the subset comes from the cache: the same examples.
+    tokenize.load_glue_encoded(task, split, tok, 64, glue_dir=str(glue_dir), cache_dir=str(cache))
+    again = tokenize.load_glue_encoded(task, split, tok, 64, glue_dir=str(glue_dir),
+                                       cache_dir=str(cache), subset=100, subset_seed=7)
+    np.testing.assert_array_equal(again.input_ids, want.input_ids)
+    np.testing.assert_array_equal(again.offsets, want.offsets)
+    # 0 or >= the split's size: all of it.
+    assert len(tokenize.load_glue_encoded(task, split, tok, 64, glue_dir=str(glue_dir),
+                                          subset=10 ** 6)) == len(whole)
+    assert tokenize.subset_indices(len(whole), 0, 7) is None

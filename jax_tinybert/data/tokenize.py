@@ -204,17 +204,44 @@ def cache_key(tokenizer, data_path: str, max_len: int, task: str, extra: str = "
     return h.hexdigest()[:24]
 
 
+def subset_indices(total: int, n: int, seed: int) -> Optional[np.ndarray]:
+    """The n of `total` examples a run with `data.*_subset=n` uses: a seeded shuffle's first n,
+    in dataset order (int64 [n]); None when n is 0 or >= total (all examples)."""
+    if not n or n >= total:
+        return None
+    return np.sort(np.random.default_rng(seed).permutation(total)[:n])
+
+
+def take(ds: EncodedDataset, idx: Optional[np.ndarray]) -> EncodedDataset:
+    """Examples `idx` of ds, in that order (None: ds itself). num_truncated stays ds's."""
+    if idx is None:
+        return ds
+    offs = ds.offsets
+    ids = np.concatenate([ds.input_ids[offs[i]:offs[i + 1]] for i in idx])
+    tts = np.concatenate([ds.token_type_ids[offs[i]:offs[i + 1]] for i in idx])
+    lens = np.diff(offs)[idx]
+    return EncodedDataset(
+        ids, tts, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        None if ds.labels is None else ds.labels[idx], ds.pad_id, ds.num_truncated)
+
+
 def load_glue_encoded(task, split: str, tokenizer, max_len: int, *, glue_dir: Optional[str] = None,
                       path: Optional[str] = None, cache_dir: Optional[str] = None,
-                      skip_bad_rows: bool = False, source: str = "tsv") -> EncodedDataset:
+                      skip_bad_rows: bool = False, source: str = "tsv", subset: int = 0,
+                      subset_seed: int = 0) -> EncodedDataset:
     """Reads + tokenizes a GLUE TSV split, through an npz cache in `cache_dir` when given.
 
     The cache file name is a hash of the tokenizer definition, the data file bytes, max_len and
     the task, so any change re-tokenizes. Non-TSV sources are not cached.
+    `subset=n` (> 0): only the examples `subset_indices(len(split), n, subset_seed)`. Without a
+    cache of the whole split only those n are tokenized (and nothing is cached): a 1,000-example
+    run on SST-2 does not tokenize its 67,349 rows. Either way the examples are the same.
     """
     spec = glue.get_task(task)
     if source != "tsv":
-        return encode_examples(tokenizer, spec, glue.load_examples(spec, split, source=source),
+        ex = glue.load_examples(spec, split, source=source)
+        idx = subset_indices(len(ex), subset, subset_seed)
+        return encode_examples(tokenizer, spec, ex if idx is None else [ex[i] for i in idx],
                                max_len)
     if path is None:
         if glue_dir is None:
@@ -230,10 +257,16 @@ def load_glue_encoded(task, split: str, tokenizer, max_len: int, *, glue_dir: Op
             try:
                 ds = EncodedDataset.load_npz(cache_path)
                 log.info("loaded tokenized %s %s from %s", spec.dir_name, split, cache_path)
-                return ds
+                return take(ds, subset_indices(len(ds), subset, subset_seed))
             except Exception as e:  # a torn/corrupt file: rebuild it
                 log.warning("ignoring unreadable cache %s: %s", cache_path, e)
     ex = glue.load_examples(spec, split, path=path, skip_bad_rows=skip_bad_rows)
+    idx = subset_indices(len(ex), subset, subset_seed)
+    if idx is not None:
+        ds = encode_examples(tokenizer, spec, [ex[i] for i in idx], max_len)
+        log.info("%s %s: %d of %d examples (subset), %d truncated to %d tokens", spec.dir_name,
+                 split, len(ds), len(ex), ds.num_truncated, max_len)
+        return ds
     ds = encode_examples(tokenizer, spec, ex, max_len)
     log.info("%s %s: %d examples, %d truncated to %d tokens", spec.dir_name, split, len(ds),
              ds.num_truncated, max_len)
