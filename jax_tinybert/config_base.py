@@ -68,7 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
         max_len=64, buckets=(32, 64),
         max_buckets=6,           # buckets=() -> at most this many, chosen from the train set's
                                  # length histogram (batching.choose_buckets)
-        train_subset=0, eval_subset=0,   # 0 = all; else N examples (seeded shuffle), only those tokenized
+        train_subset=0, eval_subset=0,   # 0 = all; else N (seeded shuffle; only those tokenized)
         corpus="",               # files/folders of plain text for kind=corpus
         corpus_mode="sentences", seq_len=128,
         synthetic_train=2000, synthetic_eval=400,

@@ -30,7 +30,8 @@ def pytest_addoption(parser):
 
 
 def _active(config) -> bool:
-    return config.getoption("cpu_durations") is not None or bool(config.getoption("cpu_durations_file"))
+    return (config.getoption("cpu_durations") is not None
+            or bool(config.getoption("cpu_durations_file")))
 
 
 def _measure(item, phase):
