@@ -20,6 +20,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
+# --smoke is a wiring check, not a measurement: XLA's cheaper backend optimisation as
+# step_throughput.py --smoke (its own switch only acts when it is the main script). Must happen
+# before JAX starts its backend.
+if __name__ == "__main__" and "--smoke" in sys.argv[1:] and \
+        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
+
 import step_throughput as st  # noqa: E402  (re-execs with the malloc settings)
 
 import argparse  # noqa: E402
