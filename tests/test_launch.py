@@ -289,7 +289,7 @@ def test_local_multiprocess_real_distillation_2x4(tmp_path_factory, tmp_path):
 
     teacher, cache = T.shared_dirs(tmp_path_factory)
     corpus = synthetic.write_corpus(str(tmp_path / "corpus.txt"), n_docs=40)
-    env = _env(PYTHON=T.PYTHON, **T.MALLOC, **T.cache_env(cache))
+    env = _env(PYTHON=T.PYTHON, XLA_FLAGS=T.FAST_COMPILE_XLA_FLAGS, **T.MALLOC, **T.cache_env(cache))
     wd = tmp_path / "wd"
     res = _run([LAUNCH / "local_multiprocess.sh", "-n", "2", "-d", "4", "-t", "400", "-q", "--",
                 "--config=configs/general_distill.py", f"--workdir={wd}",
