@@ -15,6 +15,9 @@ HELPER = REPO / "tests" / "helpers" / "plan_vs_real.py"
 def _env(cache=None):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(REPO)
+    # Compiling is most of a plan of tiny models: XLA's cheapest backend optimisation, as
+    # tests/helpers/tiny_run.py (the planner keeps XLA_FLAGS other than the device count).
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     if cache:
         # The real step's compile then hits the executable the planner compiled: a cache hit
         # is itself proof that both built the same program (same HLO fingerprint).

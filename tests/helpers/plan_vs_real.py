@@ -6,7 +6,10 @@ import os
 import sys
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
+# Planner and real step are compiled here with the same flags; XLA's cheapest backend
+# optimisation (as tests/helpers/tiny_run.py) makes each compile ~3x faster.
+os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={N} "
+                           "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
