@@ -168,7 +168,10 @@ def clone(tmp_path_factory, shared_dir):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JTB_", "SLURM_")) and k not in (
                "WORKDIR", "GLUE_DIR", "DEMO_ARGS", "XLA_FLAGS", "MAKEFLAGS", "MFLAGS")}
-    env.update(PYTHONPATH=str(repo), JAX_PLATFORMS="cpu")
+    # The commands' behaviour is checked, not their speed: XLA's cheapest backend optimisation,
+    # as every tiny run of the suite (tests/helpers/tiny_run.py); compiling is most of each stage.
+    env.update(PYTHONPATH=str(repo), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
     return repo, env
 
 
