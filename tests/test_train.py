@@ -43,7 +43,7 @@ def sst2_runs(tmp_path_factory, glue_dir):
     t = _cfg("finetune_teacher.py", "sst2")
     t.data.update(common)
     t.data.buckets = (32, 64)
-    t.train.update(num_steps=200, eval_every=200, log_every=20, checkpoint_every=1000)
+    t.train.update(num_steps=120, eval_every=120, log_every=20, checkpoint_every=1000)
     t.optim.learning_rate = 1e-4
     teacher = train.train_and_evaluate(t, str(root / "teacher"))
 
