@@ -17,15 +17,8 @@ pytestmark = pytest.mark.skipif(gcs_emulator.available() is not None,
 
 @pytest.fixture(scope="module")
 def bucket():
-    emu = gcs_emulator.start()
-    old = dict(os.environ)
-    try:
-        gcs_emulator.use_in_process(emu.env)
+    with gcs_emulator.running() as emu:
         yield f"gs://{emu.bucket}"
-    finally:
-        emu.stop()
-        os.environ.clear()
-        os.environ.update(old)
 
 
 @pytest.fixture
@@ -33,9 +26,7 @@ def root(bucket):
     return f"{bucket}/t-{uuid.uuid4().hex[:8]}"
 
 
-def _objects(url):
-    fsys, p = fs.url_fs(url)
-    return sorted(x[len(p) + 1:] for x in fsys.find(p))
+_objects = gcs_emulator.objects
 
 
 def test_atomic_write_and_basic_calls(root):

@@ -28,22 +28,11 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def emulator():
-    emu = gcs_emulator.start()
-    old = dict(os.environ)
-    try:
-        gcs_emulator.use_in_process(emu.env)
+    with gcs_emulator.running() as emu:
         yield emu
-    finally:
-        emu.stop()
-        os.environ.clear()
-        os.environ.update(old)
 
 
-def _objects(url):
-    from jax_tinybert import fs
-
-    fsys, p = fs.url_fs(url)
-    return sorted(x[len(p) + 1:] for x in fsys.find(p))
+_objects = gcs_emulator.objects
 
 
 def _read(url):
@@ -103,8 +92,7 @@ def test_cli_run_preempted_and_resumed_in_a_bucket(emulator, tmp_path_factory, t
             proc.kill()
     out = log.read_text()
     assert rc == 143, out[-3000:]
-    saved = int([l for l in out.splitlines() if l.startswith("preempted: saved step ")][0]
-                .split()[3].rstrip(";"))
+    saved = T.saved_step(out)
     assert 3 <= saved < STEPS, out[-2000:]
     got = _objects(wd)
     for name in ("config.json", "metrics.jsonl", "cache/teacher/meta.json",

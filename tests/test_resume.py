@@ -99,9 +99,7 @@ def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
     else:
         # A final save at the step where the signal arrived, then exit code 143.
         assert rc == 143, out[-3000:]
-        lines = [l for l in out.splitlines() if l.startswith("preempted: saved step ")]
-        assert len(lines) == 1, out[-3000:]
-        saved = int(lines[0].split()[3].rstrip(";"))
+        saved = T.saved_step(out)
         assert saved >= 10 and T.checkpoint_done(wd, saved)
         # Acted on within one step: the host runs at most one step ahead of the device, and
         # the slowed-down run had logged (finished) at least step saved - 1 when signalled.
@@ -192,8 +190,6 @@ def test_sigterm_through_the_cli_stops_within_a_step_and_exits_143(setup, tmp_pa
             proc.kill()
     out = log.read_text()
     assert rc == 143, out[-3000:]
-    lines = [l for l in out.splitlines() if l.startswith("preempted: saved step ")]
-    assert len(lines) == 1, out[-3000:]
-    saved = int(lines[0].split()[3].rstrip(";"))
+    saved = T.saved_step(out)
     assert 2 <= saved <= 6, (saved, out[-2000:])
     assert T.checkpoint_done(wd, saved)

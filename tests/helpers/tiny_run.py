@@ -115,6 +115,13 @@ def wait_for(cond, timeout, proc=None, what=""):
         time.sleep(0.05)
 
 
+def saved_step(out: str) -> int:
+    """The step of the one "preempted: saved step N ..." line a SIGTERM'd CLI run prints."""
+    lines = [l for l in out.splitlines() if l.startswith("preempted: saved step ")]
+    assert len(lines) == 1, out[-3000:]
+    return int(lines[0].split()[3].rstrip(";"))
+
+
 def restore_state(workdir, step):
     """The saved TrainState of `workdir/checkpoints/<step>` as a dict of numpy arrays (works for
     checkpoints written by any number of processes/devices)."""
