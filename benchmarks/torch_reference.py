@@ -148,13 +148,15 @@ class TorchReference:
     cfg (`Objective.cfg`: temperature, alpha, beta, t2, w_*, normalize_patience, projection).
     attn_pairs / hidden_pairs: (student, teacher) 1-based layers (hidden 0 = embeddings; for pkd
     the hidden pairs are the [CLS] patience pairs). proj_params: {"fit_dense": {"kernel", "bias"}}
-    or {} (flax layout, kernel [d_s, d_t]).
+    or {} (flax layout, kernel [d_s, d_t]). device: where the models live (default CPU); batches
+    passed to `step` / `loss` must already be there.
     """
 
     def __init__(self, stage: str, cfg: dict, student_config, student_params, teacher_config=None,
                  teacher_params=None, proj_params=None, attn_pairs: Pairs = (),
                  hidden_pairs: Pairs = (), lr: float = 5e-5, weight_decay: float = 0.01,
-                 clip_norm: Optional[float] = 1.0, student_dropout: bool = True):
+                 clip_norm: Optional[float] = 1.0, student_dropout: bool = True,
+                 device=None):
         if cfg.get("mode", "masked") != "masked":
             raise ValueError("the PyTorch reference implements mode='masked' only")
         self.stage, self.cfg = stage, dict(cfg)
@@ -180,6 +182,12 @@ class TorchReference:
                 self.fit_dense.weight.copy_(torch.from_numpy(np.ascontiguousarray(k.T)))
                 self.fit_dense.bias.copy_(torch.from_numpy(
                     np.array(proj_params["fit_dense"]["bias"], np.float32)))
+        if device is not None:  # before the optimizer, so it holds the moved parameters
+            self.student.to(device)
+            if self.teacher is not None:
+                self.teacher.to(device)
+            if self.fit_dense is not None:
+                self.fit_dense.to(device)
         named = list(self.student.named_parameters(prefix="student"))
         if self.fit_dense is not None:
             named += list(self.fit_dense.named_parameters(prefix="fit_dense"))

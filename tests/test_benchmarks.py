@@ -106,3 +106,63 @@ def test_step_throughput_smoke(tmp_path):
     # running in parallel (e.g. pytest -n) slow it down.
     load = os.getloadavg()[0] / max(1, os.cpu_count() or 1)
     assert elapsed < 60 * max(1.0, load), f"smoke run took {elapsed:.0f}s (load {load:.1f}/core)"
+
+
+def test_step_throughput_accelerator_path(monkeypatch, tmp_path, capsys):
+    """The GPU code path (three matmul variants with their errors, pipelined timing, MFU,
+    bfloat16 compute, the accelerator table) run on the CPU backend. (PyTorch's side of it is
+    skipped: bfloat16 autocast on a CPU is slow, and the smoke test covers the torch step.)"""
+    monkeypatch.setattr(st, "on_accelerator", lambda: True)
+    assert st.parse_args(["--batch-size", "32,256"]).batch_size == [32, 256]
+    args = st.parse_args(["--smoke", "--dtype", "bfloat16", "--no-torch"])
+    args.stages = ["tinybert_pred"]
+    out = st.run(args)
+    v = out["matmul_peak"]["variants"]
+    # CPU float32 dots are full float32; bfloat16 operands cost ~3 significant digits.
+    assert v["float32_default"]["rel_err"] < 2e-5 and v["float32_highest"]["rel_err"] < 2e-5
+    assert 1e-4 < v["bfloat16"]["rel_err"] < 2e-2
+    assert out["matmul_peak"]["float32_dot_mode"] == "float32"
+    assert [r["batch_size"] for r in out["results"]] == [4]
+    for r in out["results"]:
+        assert r["dtype"] == "bfloat16" and np.isfinite(r["loss"])
+        for k in ("pipelined_s_per_step", "pct_peak", "xla_step_bytes"):
+            assert r[k] > 0, (k, r[k])
+        assert r["mfu_nominal"] is None  # no datasheet peak for a CPU
+        # FLOPs from the lowered (unoptimised) HLO on accelerators; same order as the compiled.
+        assert 0.5 < r["gflop_per_step"] / r["gflop_per_step_compiled"] < 2
+        # ex/s comes from the pipelined time on an accelerator.
+        assert r["examples_per_s"] == pytest.approx(r["batch_size"] / r["pipelined_s_per_step"])
+    path = tmp_path / "accel.json"
+    path.write_text(json.dumps(out))
+    table = st.render([str(path)])
+    assert "ms/step pipelined" in table and "bfloat16 " in table
+
+
+def test_nominal_peaks_and_dot_mode():
+    assert st.nominal_peaks("NVIDIA H100 80GB HBM3")["bfloat16"] == 989.4e12
+    assert st.nominal_peaks("NVIDIA H100 PCIe")["tf32"] == 378.0e12
+    assert st.nominal_peaks("cpu") is None
+    assert [st.fp32_dot_mode(e) for e in (3e-7, 3e-4, 3e-3)] == ["float32", "tf32", "bfloat16"]
+    peak = {"jax_flop_s": 1.0, "float32_dot_mode": "tf32",
+            "variants": {"float32_default": {"flop_s": 2.0}, "float32_highest": {"flop_s": 3.0},
+                         "bfloat16": {"flop_s": 4.0}}}
+    nom = st.nominal_peaks("H100 80GB HBM3")
+    assert st._peak_for("float32", peak, nom, None) == (2.0, 494.7e12)
+    assert st._peak_for("float32", peak, nom, "highest") == (3.0, 66.9e12)
+    assert st._peak_for("bfloat16", peak, nom, None) == (4.0, 989.4e12)
+    assert st._peak_for("float32", {"jax_flop_s": 5.0}, None, None) == (5.0, None)
+
+
+def test_hlo_flops_falls_back_to_cpu_analysis():
+    """The GPU plugin has no Lowered.cost_analysis: the same HLO is costed on the CPU backend."""
+    low = jax.jit(lambda a, b: a @ b).lower(np.ones((64, 32), np.float32),
+                                            np.ones((32, 16), np.float32))
+
+    class NoCost:
+        def cost_analysis(self):
+            raise NotImplementedError
+
+        def compiler_ir(self, dialect):
+            return low.compiler_ir(dialect)
+
+    assert st.hlo_flops(low) == st.hlo_flops(NoCost()) == 2 * 64 * 32 * 16
