@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	@command -v shellcheck >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq shellcheck) >/dev/null 2>&1 || echo "warning: shellcheck could not be installed; its test will be skipped"; }
 	touch $(STAMP)
 
+# One pytest-xdist worker per core, whole files per worker, longest files first (tests/conftest.py).
+# PYTEST_ARGS: e.g. PYTEST_ARGS="-n 0" (serial) or PYTEST_ARGS="-k resume".
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests
 
 # WORKDIR=DIR: where the demo writes (default runs/demo). DEMO_ARGS: extra config overrides,
 # e.g. DEMO_ARGS="--config.demo_steps.teacher=40 --config.data.synthetic_train=500" (a smaller run).

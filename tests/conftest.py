@@ -23,6 +23,33 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
+# `make test` runs the suite on pytest-xdist workers (`-n auto --dist loadfile`): one worker per
+# core, each pinned to its own core. Unpinned, every worker's XLA, torch and tokenizer thread pools
+# size themselves to all cores and the workers' threads spin against each other (2 workers on 2
+# cores: +25% CPU time, 167% utilisation). Subprocesses (CLI runs, benchmarks) inherit the pin;
+# XLA reads its thread count from the affinity mask. Set before any test module imports JAX.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
+    _cpus = sorted(os.sched_getaffinity(0))
+    _n, _i = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), int(_WORKER[2:])
+    if 1 < _n <= len(_cpus):
+        os.sched_setaffinity(0, _cpus[_i * len(_cpus) // _n:(_i + 1) * len(_cpus) // _n])
+
+# Longest files first (CPU-s of a serial run, most first), so that under `--dist loadfile` the
+# long ones start at once and the tail is made of short files (longest-processing-time-first
+# scheduling); files not listed keep their order after these. Only the order changes.
+LONGEST_FIRST = (
+    "test_train.py", "test_readme.py", "test_benchmarks_e2e.py", "test_multiprocess.py",
+    "test_cli.py", "test_resume.py", "test_benchmarks.py", "test_launch.py", "test_step.py",
+    "test_gcs_workdir.py", "test_plan.py", "test_checkpoints.py", "test_sst2_epoch_bench.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))
+
+
 def pytest_unconfigure(config):
     if _OWN_XLA_CACHE:
         shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)

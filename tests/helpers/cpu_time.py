@@ -7,6 +7,7 @@ time is the steadier number. `--cpu-durations-file=PATH` also writes every phase
 """
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -58,19 +59,35 @@ def pytest_runtest_teardown(item):
     yield from _measure(item, "teardown")
 
 
+def _totals():
+    rows = sorted(_ROWS, reverse=True)
+    # session: since pytest started, collection and imports too
+    return rows, sum(r[0] for r in rows), sum(r[1] for r in rows), _cpu()
+
+
+def pytest_sessionfinish(session):
+    """Write --cpu-durations-file; under pytest-xdist each worker writes PATH.<worker id>
+    (its own tests only: the tests run in the workers, not in the controller)."""
+    path = session.config.getoption("cpu_durations_file")
+    if not path:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        path = f"{path}.{worker}"
+    elif session.config.pluginmanager.hasplugin("dsession"):
+        return   # the xdist controller: its workers wrote their files
+    rows, total_cpu, total_wall, session_cpu = _totals()
+    with open(path, "w") as fh:
+        fh.write(f"# total {total_cpu:.1f} CPU-s, {total_wall:.1f} wall-s in test phases; "
+                 f"{session_cpu:.1f} CPU-s for the whole session\n")
+        for cpu, wall, phase, nodeid in rows:
+            fh.write(f"{cpu:9.2f} {wall:9.2f} {phase:8s} {nodeid}\n")
+
+
 def pytest_terminal_summary(terminalreporter, config):
     if not _active(config):
         return
-    rows = sorted(_ROWS, reverse=True)
-    total_cpu, total_wall = sum(r[0] for r in rows), sum(r[1] for r in rows)
-    session_cpu = _cpu()  # since pytest started: collection and imports too
-    path = config.getoption("cpu_durations_file")
-    if path:
-        with open(path, "w") as fh:
-            fh.write(f"# total {total_cpu:.1f} CPU-s, {total_wall:.1f} wall-s in test phases; "
-                     f"{session_cpu:.1f} CPU-s for the whole session\n")
-            for cpu, wall, phase, nodeid in rows:
-                fh.write(f"{cpu:9.2f} {wall:9.2f} {phase:8s} {nodeid}\n")
+    rows, total_cpu, total_wall, session_cpu = _totals()
     n = config.getoption("cpu_durations")
     if n is None:
         return
