@@ -467,13 +467,18 @@ def main(argv=None):
         if not args.no_step_bench:
             t["step_bench"].append(step_bench(args, seq, os.path.join(args.scratch,
                                                                        f"{task}_step2.json")))
-    res["load_end"] = _loadavg()
-    if args.json:
-        tmp = args.json + ".tmp"
+        # After every task: an interrupted multi-task run keeps the tasks it finished.
+        res["load_end"] = _loadavg()
+        _write_json(args.json, res)
+    print(render(res))
+
+
+def _write_json(path: str, res: dict) -> None:
+    if path:
+        tmp = path + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(res, fh, indent=1)
-        os.replace(tmp, args.json)
-    print(render(res))
+        os.replace(tmp, path)
 
 
 if __name__ == "__main__":
