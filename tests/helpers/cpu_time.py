@@ -85,8 +85,8 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    if not _active(config):
-        return
+    if not _active(config) or (not _ROWS and config.pluginmanager.hasplugin("dsession")):
+        return   # nothing measured here: under xdist the workers ran the tests
     rows, total_cpu, total_wall, session_cpu = _totals()
     n = config.getoption("cpu_durations")
     if n is None:
