@@ -656,7 +656,8 @@ def main(argv=None) -> str:
     ap.add_argument("--no_da", action="store_true", help="budget cpu: skip the tinybert+da row")
     ap.add_argument("--rows", default="",
                     help="budget cpu: comma list of rows to run, of " + ",".join(CPU_ROWS)
-                    + " (default all; the teacher always runs, the others need it)")
+                    + " (default all; the teacher always runs, the others need it; tinybert+da also runs"
+                    " tinybert, whose step counts size the DA stages)")
     ap.add_argument("--teacher_max_epochs", type=float, default=0.0,
                     help=f"budget cpu: cap on teacher epochs (default {CPU['teacher_max_epochs']})")
     ap.add_argument("--student_max_epochs", type=float, default=0.0,
