@@ -368,8 +368,8 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     want = set(args.rows.split(",")) if args.rows else set(CPU_ROWS)
     print(f"[glue cpu] {spec.dir_name}: {n} train rows; teacher {te:.2f} epochs, student stages "
           f"{se:.2f} epochs each", flush=True)
-    lr = CPU["lr"]
-    res: Dict[str, dict] = {}
+    lr = {**CPU["lr"], **args.lr}
+    res: Dict[str, dict] = {"recipe": {"teacher_epochs": te, "student_epochs": se, "lr": lr}}
     c = _load_config("finetune_teacher", task)
     res["teacher"] = _run(_set(c, {**_cpu_common(args, task, te, lr["teacher"]),
                                    "teacher.path": "packaged"}), os.path.join(tdir, "teacher"))
@@ -443,6 +443,7 @@ def cpu_rows(args, task: str, res: Dict[str, dict]) -> List[dict]:
         rows.append({"task": spec.dir_name, "model": model, "dev": _export_dev(last),
                      "metric": spec.main_metric, "export": os.path.abspath(last["export"]),
                      "params": last["student_params"], "wall_s": round(wall, 1),
+                     "recipe": res.get("recipe"),
                      "stages": {x: {"steps": res[x]["steps"], "wall_s": round(res[x]["wall_s"], 1)}
                                 for x in st}})
     maj = majority_baseline(args, task)
@@ -468,6 +469,11 @@ def cpu_table(rows: List[dict], res_by_task: Dict[str, dict]) -> str:
         L.append(f"| {r['task']} | {r['model']} | {dev} | {r['metric']} | {pct} | "
                  f"{r['params']:,} | {r['wall_s']:.0f} | {steps} |")
     for task, res in res_by_task.items():
+        if "recipe" in res:
+            r = res["recipe"]
+            L.append("")
+            L.append(f"Recipe for {task}: teacher {r['teacher_epochs']:.2f} epochs, student stages "
+                     f"{r['student_epochs']:.2f} epochs each, learning rates {json.dumps(r['lr'])}.")
         if "da_info" in res:
             d = res["da_info"]
             L.append("")
@@ -633,6 +639,21 @@ def budget_note(args, b: dict) -> str:
     return " ".join(parts)
 
 
+def _parse_lr(ap, text: str) -> Dict[str, float]:
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        stage, _, value = item.partition("=")
+        if stage not in CPU["lr"]:
+            ap.error(f"--lr {item!r}: stage {stage!r} is not one of {','.join(CPU['lr'])}")
+        try:
+            out[stage] = float(value)
+        except ValueError:
+            ap.error(f"--lr {item!r}: {value!r} is not a number (e.g. --lr teacher=1e-4)")
+        if not out[stage] > 0:
+            ap.error(f"--lr {item!r}: the learning rate must be > 0")
+    return out
+
+
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", choices=sorted(BUDGETS), default="small")
@@ -664,7 +685,11 @@ def main(argv=None) -> str:
                     help=f"budget cpu: cap on student epochs (default {CPU['student_max_epochs']})")
     ap.add_argument("--max_steps", type=int, default=0,
                     help="budget cpu: cap every stage at this many steps (smoke tests)")
+    ap.add_argument("--lr", default="",
+                    help="budget cpu: learning rates per stage, e.g. teacher=1e-4,pred=3e-5 "
+                    f"(stages {','.join(CPU['lr'])}; default {json.dumps(CPU['lr'])})")
     args = ap.parse_args(argv)
+    args.lr = _parse_lr(ap, args.lr)
     args.glue_dir = os.path.abspath(args.glue_dir)
     args.corpus = os.path.abspath(args.corpus)
     args.workdir = os.path.abspath(args.workdir or f"/tmp/jax_tinybert_glue_{args.budget}")
