@@ -369,7 +369,8 @@ def build_run(config, workdir: str) -> Run:
     total = total_steps(config, data.train_batches.steps_per_epoch)
     cache = None
     if uses_teacher_cache(config, obj):
-        cache = teacher_cache.build_for_training(models, obj, data, workdir, mesh)
+        cache = teacher_cache.build_for_training(models, obj, data, workdir, mesh,
+                                                 num_steps=total)
     teacher = models.teacher if teacher_in_step(config, obj) else None
     step = build_step(config, student=models.student, teacher=teacher, objective=obj,
                       student_params=models.student_params, teacher_params=models.teacher_params,

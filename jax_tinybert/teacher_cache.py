@@ -226,20 +226,24 @@ def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Seque
 
 
 def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
-          batches: Iterable[Mapping[str, np.ndarray]], num_examples: int) -> TeacherCache:
+          batches: Iterable[Mapping[str, np.ndarray]], num_examples: int,
+          num_rows: Optional[int] = None) -> TeacherCache:
     """Run `forward(params, ids, mask, types)` over `batches` and write the cache at `path`.
 
     batches: batch dicts (docs/design.md, "Batches") with `example_id` in [0, num_examples); rows with
-    `valid == 0` (or example_id < 0) are skipped. Any existing folder at `path` is replaced
-    only once the new one is complete.
+    `valid == 0` (or example_id < 0) are skipped. num_rows: how many distinct rows the batches
+    cover when that is deliberately fewer than num_examples (a run that reads part of its data);
+    fewer than that is warned about. Any existing folder at `path` is replaced only once the new
+    one is complete.
     """
+    expected = int(num_examples if num_rows is None else num_rows)
     path = fs.abspath(path)
     fs.makedirs(os.path.dirname(path))
     # Once, not per batch: host numpy params would be copied to the device at every call.
     params = jax.device_put(params)
     fs.clean_stale_temps(path)
     tmp = fs.staging_dir(path)   # local files (memmaps) either way; uploaded by publish_dir
-    prog = Progress("teacher cache", total=num_examples, unit="ex")
+    prog = Progress("teacher cache", total=expected, unit="ex")
     try:
         files: Dict[str, np.ndarray] = {}
         filled = np.zeros((num_examples,), bool)
@@ -266,10 +270,10 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         prog.close()
         if not files:
             raise ValueError(f"teacher cache {path}: the batches held no valid rows")
-        n_missing = int(num_examples - filled.sum())
-        if n_missing:
+        n_missing = int(expected - filled.sum())
+        if n_missing > 0:
             log.warning("teacher cache %s: %d of %d examples not covered by the batches; "
-                        "looking them up will fail", path, n_missing, num_examples)
+                        "looking them up will fail", path, n_missing, expected)
         fields = {}
         for k, arr in files.items():
             arr.flush()
@@ -291,7 +295,8 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     cache = TeacherCache(path, verify=False, local=tmp if fs.is_remote(path) else None)
-    cache.build_stats = {"examples_per_s": prog.rate, "seconds": prog.elapsed}
+    cache.build_stats = {"examples_per_s": prog.rate, "seconds": prog.elapsed,
+                         "rows": int(filled.sum()), "num_examples": int(num_examples)}
     return cache
 
 
@@ -303,13 +308,14 @@ def _file_info(p: str) -> dict:
 
 def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                   batches: Union[Iterable, Callable[[], Iterable]], num_examples: int,
-                  verify: bool = True) -> TeacherCache:
+                  verify: bool = True, num_rows: Optional[int] = None) -> TeacherCache:
     """The cache at `path` if it was built from the same `fingerprint`, else (re)build it.
 
     fingerprint: what the outputs depend on, e.g. {"teacher": params_fingerprint(p),
     "data": dataset_fingerprint(ds), "tokenizer": ..., "layers": [...]}; compared with the
     one in meta.json. batches: an iterable, or a callable returning one (called only when a
-    build is needed). A truncated or corrupt cache is rebuilt with a warning.
+    build is needed). A truncated or corrupt cache is rebuilt with a warning. num_rows: see
+    `build` (put what selects the rows into the fingerprint).
     """
     fingerprint = dict(fingerprint, num_examples=int(num_examples))
     # A build killed earlier (kill -9, preemption) left its hidden temporary folder behind.
@@ -326,19 +332,21 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
             else:
                 log.warning("teacher cache %s is unusable, rebuilding it: %s", path, e)
     it = batches() if callable(batches) else batches
-    return build(path, fingerprint, forward, params, it, num_examples)
+    return build(path, fingerprint, forward, params, it, num_examples, num_rows=num_rows)
 
 
 # ----------------------------------------------------------------------------- trainer glue
 
-def build_for_training(models, obj, data, workdir: str, mesh=None,
-                       batch_size: int = 64) -> TeacherCache:
+def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: int = 64,
+                       num_steps: Optional[int] = None) -> TeacherCache:
     """The cache for a training run (called by `train.train_and_evaluate`).
 
-    Covers every example of `data.train_dataset` (one pass in dataset order, no dropped
-    remainder) with `obj.teacher_features` of the teacher's forward. Each process builds its
-    own copy (under `cache/teacher_p<i>` when there are several): no collective is involved,
-    and the workdir need not be shared.
+    Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
+    (`train_batches.rows_read`; all of them when the steps cover an epoch, or when num_steps is
+    None): a run of fewer steps than an epoch of a large (e.g. augmented) train set forwards
+    only the rows it will use. One pass in dataset order, no dropped remainder. Each process
+    builds its own copy (under `cache/teacher_p<i>` when there are several): no collective is
+    involved, and the workdir need not be shared.
     """
     ds = data.train_dataset
     n = len(ds)
@@ -353,14 +361,35 @@ def build_for_training(models, obj, data, workdir: str, mesh=None,
         "layers": list(getattr(obj, "teacher_cls_layers", ()) or ()),
         "objective": getattr(obj, "name", None),
     }
+    rows = _rows_read(data.train_batches, ds, num_steps)
+    if rows is not None:
+        # Which rows is part of what the cache holds: another step count or seed rebuilds it.
+        fingerprint["rows"] = arrays_fingerprint(rows)
+        log.info("teacher cache: %d steps read %d of %d train examples; caching those",
+                 num_steps, len(rows), n)
     name = "teacher" if jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
     path = fs.join(workdir, "cache", name)
     buckets = getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
-    bs = min(batch_size, max(1, n))
 
     def batches():
-        return batching.BucketedBatcher(ds, bs, buckets, train=False, process_index=0,
-                                        process_count=1)
+        src = ds if rows is None else tokenize.take(ds, rows)
+        it = batching.BucketedBatcher(src, min(batch_size, max(1, len(src))), buckets,
+                                      train=False, process_index=0, process_count=1)
+        for batch in it:
+            if rows is not None:  # subset positions -> the train set's example ids
+                ids = batch["example_id"]
+                batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)
+            yield batch
 
     forward = make_forward(models.teacher, obj.teacher_features)
-    return build_or_load(path, fingerprint, forward, models.teacher_params, batches, n)
+    return build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
+                         num_rows=None if rows is None else len(rows))
+
+
+def _rows_read(batcher, ds, num_steps: Optional[int]) -> Optional[np.ndarray]:
+    """The rows `num_steps` steps of `batcher` read, or None for all of `ds`."""
+    if (num_steps is None or not hasattr(batcher, "rows_read")
+            or not isinstance(ds, tokenize.EncodedDataset)):
+        return None
+    rows = batcher.rows_read(num_steps)
+    return None if len(rows) == len(ds) else rows

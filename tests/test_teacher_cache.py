@@ -273,3 +273,64 @@ def test_tokenised_cache_and_temp_dirs_follow_the_umask(tmp_path, small):
         assert os.stat(fs.mkdtemp(str(tmp_path / "d"))).st_mode & 0o777 == 0o700
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("process_count", [1, 2])
+def test_rows_read_is_what_the_training_batches_hold(small, process_count):
+    def batcher(i):
+        return BucketedBatcher(small.ds, 8, (16, 32, 64), train=True, seed=3, process_index=i,
+                               process_count=process_count)
+
+    spe = batcher(0).steps_per_epoch
+    for num_steps in (1, 2, spe, spe + 1, 4 * spe):
+        seen = set()
+        for i in range(process_count):
+            it = batcher(i)
+            for _ in range(num_steps):
+                b = next(it)
+                seen |= set(b["example_id"][b["valid"] > 0].tolist())
+        got = batcher(0).rows_read(num_steps)
+        assert got.tolist() == sorted(seen), num_steps
+    assert len(batcher(0).rows_read(1)) == 8
+    # Dropped remainders differ per epoch: enough epochs read every row.
+    assert len(batcher(0).rows_read(40 * spe)) == len(small.ds)
+
+
+def test_short_run_caches_only_the_rows_it_reads(tmp_path, small, caplog):
+    from jax_tinybert import objectives
+
+    t_cfg = small.model.config
+    obj = objectives.make_objective("tinybert_pred", {"mode": "tinybert"},
+                                    t_cfg.replace(num_hidden_layers=1), t_cfg)
+    models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
+                                   teacher_config=t_cfg, tokenizer_dir=_TOKENIZER_DIR())
+    train = lambda: BucketedBatcher(small.ds, 8, (16, 32, 64), train=True, seed=1,
+                                    process_index=0, process_count=1)
+    data = types.SimpleNamespace(train_dataset=small.ds, train_batches=train())
+    with caplog.at_level(logging.WARNING):
+        cache = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=2)
+    assert not caplog.records  # a deliberate subset is not "examples not covered"
+    live = jax.jit(lambda p, i, m, t: small.model.apply({"params": p}, i, m, t).logits)
+    it, read = train(), set()
+    for _ in range(2):  # every row the run reads is there and equals the live teacher
+        b = next(it)
+        np.testing.assert_allclose(
+            cache.lookup(b["example_id"])["teacher_logits"],
+            np.asarray(live(small.params, b["input_ids"], b["attention_mask"],
+                            b["token_type_ids"])), atol=1e-6)
+        read |= set(b["example_id"].tolist())
+    assert int(cache.filled.sum()) == len(read) == 16 < len(small.ds)
+    assert cache.build_stats["rows"] == 16 and cache.meta["filled"] == 16
+    unread = next(i for i in range(len(small.ds)) if i not in read)
+    with pytest.raises(KeyError, match="not cached"):
+        cache.lookup(np.array([unread]))
+    # Same steps: reused. More steps: other rows, so rebuilt. An epoch or more: every row, and
+    # the same cache as a run without a step count.
+    again = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=2)
+    assert again.build_stats is None
+    more = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=3)
+    assert more.build_stats["rows"] == 24
+    spe = data.train_batches.steps_per_epoch
+    every = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=40 * spe)
+    assert every.build_stats["rows"] == len(small.ds) and "rows" not in every.fingerprint
+    assert tc.build_for_training(models, obj, data, str(tmp_path)).build_stats is None

@@ -219,6 +219,18 @@ class BucketedBatcher:
         self._plan_epoch, self._plan = epoch, _Plan(seq_lens, rows)
         return self._plan
 
+    def rows_read(self, num_steps: int) -> np.ndarray:
+        """Sorted distinct example rows (int64 [R]) that global steps [0, num_steps) read, over
+        all processes and epochs; R = len(dataset) once the steps cover every example."""
+        n, spe = len(self.lengths), self.steps_per_epoch
+        seen = np.zeros((n,), bool)
+        for epoch in range(-(-int(num_steps) // spe)):
+            rows = self.epoch_plan(epoch).rows[:int(num_steps) - epoch * spe]
+            seen[rows[rows >= 0]] = True
+            if seen.all():
+                break
+        return np.flatnonzero(seen).astype(np.int64)
+
     def batch_at(self, epoch: int, step: int) -> Dict[str, np.ndarray]:
         """This process's batch for global step `step` of `epoch`."""
         plan = self.epoch_plan(epoch)
