@@ -17,8 +17,10 @@ Everything that trains, plans or benchmarks a step goes through `build_step`, so
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import shutil
 from typing import Any, Callable, Optional, Tuple
 
 import jax
@@ -36,6 +38,8 @@ from jax_tinybert.hf import bert_params, load_pretrained
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
                                    init_classifier, init_params)
 from jax_tinybert.train_state import TrainState
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -353,6 +357,40 @@ def uses_teacher_cache(config, objective: objectives.Objective) -> bool:
                 and not config.teacher.dropout)
 
 
+def token_cache_plan(config, objective: objectives.Objective, data: Data, total: int,
+                     workdir: str) -> Tuple[bool, str]:
+    """Whether this run caches the teacher's per-token outputs (intermediate stage), and why.
+
+    teacher.cache_tokens: 'auto' caches when the run reads its train rows more than once
+    (total > steps_per_epoch: the teacher forward of every later epoch is saved) and the cache
+    fits teacher.cache_max_gb and 80% of the free disk; 'always' whenever it fits; 'never'.
+    """
+    mode = config.teacher.cache_tokens
+    if (mode == "never" or not objective.teacher_token_cacheable or config.teacher.dropout
+            or not isinstance(data.train_dataset, tokenize.EncodedDataset)):
+        return False, "not cacheable" if mode != "never" else "teacher.cache_tokens='never'"
+    spe = data.train_batches.steps_per_epoch
+    if mode == "auto" and total <= spe:
+        return False, f"{total} steps read each row at most once (an epoch is {spe} steps)"
+    rows = data.train_batches.rows_read(total)
+    lens = batching.assign_buckets(data.train_dataset.lengths[rows], data.train_batches.buckets)
+    T = np.asarray(data.train_batches.buckets, np.int64)[lens]
+    need = teacher_cache.token_cache_bytes(objective, T, config.teacher.cache_dtype)
+    free = shutil.disk_usage(workdir if os.path.isdir(workdir) else
+                             os.path.dirname(os.path.abspath(workdir))).free
+    limit = min(config.teacher.cache_max_gb * 1e9, 0.8 * free)
+    if need > limit:
+        why = (f"the teacher's per-token outputs of {len(rows):,} rows need {need / 1e9:.1f} GB, "
+               f"over min(teacher.cache_max_gb={config.teacher.cache_max_gb:g} GB, 80% of the "
+               f"{free / 1e9:.1f} GB free)")
+        if mode == "always":
+            raise ConfigValueError(f"config.teacher.cache_tokens='always': {why}; raise "
+                                   "config.teacher.cache_max_gb, free disk space, or pass "
+                                   "--config.teacher.cache_tokens=auto")
+        return False, why + ": the teacher runs in every step"
+    return True, f"{need / 1e9:.2f} GB ({config.teacher.cache_dtype}) for {len(rows):,} rows"
+
+
 def teacher_in_step(config, objective: objectives.Objective) -> bool:
     """Whether the train step runs the teacher (else its outputs come with the batch, or the
     objective needs none)."""
@@ -371,7 +409,15 @@ def build_run(config, workdir: str) -> Run:
     if uses_teacher_cache(config, obj):
         cache = teacher_cache.build_for_training(models, obj, data, workdir, mesh,
                                                  num_steps=total)
-    teacher = models.teacher if teacher_in_step(config, obj) else None
+    else:
+        tokens, why = token_cache_plan(config, obj, data, total, workdir)
+        if obj.teacher_token_cacheable and config.teacher.cache_tokens != "never":
+            log.info("teacher per-token cache: %s (%s)", "yes" if tokens else "no", why)
+        if tokens:
+            cache = teacher_cache.build_for_training(
+                models, obj, data, workdir, mesh, num_steps=total,
+                token_dtype=config.teacher.cache_dtype)
+    teacher = models.teacher if teacher_in_step(config, obj) and cache is None else None
     step = build_step(config, student=models.student, teacher=teacher, objective=obj,
                       student_params=models.student_params, teacher_params=models.teacher_params,
                       mesh=mesh, total_steps=total, with_eval=evaluates(obj, data))

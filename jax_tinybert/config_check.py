@@ -141,6 +141,7 @@ NUMERIC_RULES = {
     "mesh.fsdp": (_GE1, ""),
     "mesh.model": (_GE1, ""),
     "mesh.fsdp_min_size": (_NONNEG, ""),
+    "teacher.cache_max_gb": (("> 0", lambda v: v > 0), "GB the per-token teacher cache may use"),
 }
 
 
@@ -153,6 +154,8 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "data.source": ("tsv", "hf", "tfds"), "data.corpus_mode": ("sentences", "documents"),
         "optim.name": optim.OPTIMIZERS, "optim.schedule": optim.SCHEDULES,
         "teacher.dtype": DTYPES, "student.dtype": DTYPES,
+        "teacher.cache_tokens": ("auto", "always", "never"),
+        "teacher.cache_dtype": ("float16", "float32"),
     }
 
 

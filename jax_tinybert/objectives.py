@@ -18,6 +18,7 @@ A new objective is a subclass with `@register` (see docs/design.md).
 """
 from __future__ import annotations
 
+import types
 from typing import Any, ClassVar, Dict, Optional, Tuple, Type
 
 import jax
@@ -118,6 +119,9 @@ class Objective:
     defaults: ClassVar[Dict[str, Any]] = _COMMON
     needs_teacher: bool = True
     teacher_cacheable: bool = False
+    # Per-token teacher outputs (attention logits, hidden states): cacheable too, but large, so
+    # cached only when a run reads its data more than once (config.teacher.cache_tokens).
+    teacher_token_cacheable: bool = False
     compares_logits: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, student_config, teacher_config=None):
@@ -229,7 +233,8 @@ class Objective:
     def __call__(self, proj, s_out, t_out, batch) -> Tuple[Array, Dict[str, Array]]:
         """Returns (total loss scalar, dict of unweighted scalar terms)."""
         proj = proj or {}
-        if self.needs_teacher and t_out is None and not self.teacher_cacheable:
+        if (self.needs_teacher and t_out is None and not self.teacher_cacheable
+                and not (self.teacher_token_cacheable and CACHED_TOKEN_KEYS[1] in batch)):
             raise ValueError(f"objective '{self.name}' needs the teacher's outputs (t_out)")
         return self.loss(proj, s_out, t_out, batch)
 
@@ -254,11 +259,16 @@ def register(cls: Type[Objective]) -> Type[Objective]:
 
 # ---------------------------------------------------------------------- the objectives
 
+# Batch keys a teacher cache fills for the intermediate objective (teacher_cache.py).
+CACHED_TOKEN_KEYS = ("teacher_attn", "teacher_hidden")
+
+
 @register
 class TinyBertIntermediate(Objective):
     """TinyBERT's intermediate-layer loss (general distillation and task stage 1)."""
     name = "tinybert_intermediate"
     defaults = dict(_COMMON)
+    teacher_token_cacheable = True
 
     def setup(self) -> None:
         c = self.cfg
@@ -281,8 +291,34 @@ class TinyBertIntermediate(Objective):
                                  f"{M + 1} values (student layers 0..{M}), got {len(lw)}")
         self._layer_weights = lw or (1.0,) * (M + 1)
         self._setup_projection([s for s, _ in self._hidden_pairs])
+        self.teacher_hidden_layers = tuple(sorted({t for _, t in self._hidden_pairs}))
+
+    def teacher_features(self, t_out) -> Dict[str, Array]:
+        """What a teacher cache stores per example: teacher_attn [b, K_a, H, T, T] (the attention
+        logits of `teacher_attention_layers`), teacher_hidden [b, K_h, T, D_t] (the hidden states
+        of `teacher_hidden_layers`, 0 = embeddings); a field is absent when no pair reads it."""
+        out = {}
+        if self.teacher_attention_layers:
+            out["teacher_attn"] = jnp.stack([t_out.attention_logits[t - 1]
+                                             for t in self.teacher_attention_layers], axis=1)
+        if self.teacher_hidden_layers:
+            out["teacher_hidden"] = jnp.stack([t_out.hidden_states[t]
+                                               for t in self.teacher_hidden_layers], axis=1)
+        return out
+
+    def _cached_teacher(self, batch):
+        """A BertOutput-like view of the cached teacher_attn / teacher_hidden of a batch."""
+        L_t = self.teacher_config.num_hidden_layers
+        attn, hidden = [None] * L_t, [None] * (L_t + 1)
+        for i, t in enumerate(self.teacher_attention_layers):
+            attn[t - 1] = batch["teacher_attn"][:, i]
+        for i, t in enumerate(self.teacher_hidden_layers):
+            hidden[t] = batch["teacher_hidden"][:, i]
+        return types.SimpleNamespace(attention_logits=attn, hidden_states=hidden)
 
     def loss(self, proj, s_out, t_out, batch):
+        if t_out is None:
+            t_out = self._cached_teacher(batch)
         mode, c, lw = self.mode, self.cfg, self._layer_weights
         mask, valid = batch["attention_mask"], batch.get("valid")
         terms: Dict[str, Array] = {}

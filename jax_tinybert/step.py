@@ -20,6 +20,8 @@ from jax_tinybert.train_state import TrainState
 
 Array = jax.Array
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+# A batch carrying any of these has its teacher outputs from the teacher cache.
+CACHED_KEYS = ("teacher_logits", "teacher_cls", "teacher_attn", "teacher_hidden")
 
 
 def _apply(model: nn.Module, params, batch, *, deterministic: bool, attention_logits, rng):
@@ -37,7 +39,7 @@ def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
     def loss_fn(params, teacher_params, batch, rng):
         r_s, r_t = jax.random.split(rng)
         t_out = None
-        if use_teacher and "teacher_logits" not in batch:
+        if use_teacher and not any(k in batch for k in CACHED_KEYS):
             t_out = _apply(teacher, teacher_params, batch, deterministic=not teacher_dropout,
                            attention_logits=objective.teacher_attention_layers, rng=r_t)
             t_out = jax.tree_util.tree_map(

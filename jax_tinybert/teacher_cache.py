@@ -11,6 +11,10 @@ Layout of a cache folder::
     teacher_logits.npy     float32 [N, C]        (fields are whatever the forward returns)
     teacher_cls.npy        float32 [N, K, D_t]
     filled.npy             bool [N]              rows that some batch covered
+    teacher_attn.bin       float16/32, ragged    per-token fields (intermediate stage): each
+    teacher_hidden.bin                           row stored at its own bucket length T
+    token_index.npy        int64 [N, 1 + F]      per row: T, then its element offset in each
+                                                 of the F .bin files (-1: not cached)
 
 Files are opened with `np.load(mmap_mode="r")`, so a cache larger than memory is fine. The
 folder is written beside its final path and renamed into place when complete; a cache whose
@@ -28,7 +32,7 @@ import logging
 import os
 import shutil
 import zlib
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 VERSION = 1
 META = "meta.json"
 FILLED = "filled.npy"
+TOKEN_INDEX = "token_index.npy"
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 
@@ -130,6 +135,24 @@ class TeacherCache:
         self.filled = self._open(FILLED, self.meta["filled_file"], verify)
         if int(self.filled.sum()) != int(self.meta["filled"]):
             raise CacheError(f"{path}: {FILLED} does not match meta.json")
+        self.token_fields: Dict[str, np.ndarray] = {}
+        self.token_index: Optional[np.ndarray] = None
+        tok = self.meta.get("token_fields") or {}
+        for name, info in tok.items():
+            self.token_fields[name] = self._open_raw(name + ".bin", info, verify)
+        if tok:
+            self.token_index = self._open(TOKEN_INDEX, self.meta["token_index_file"], verify)
+
+    def _open_raw(self, fname: str, info: dict, verify: bool) -> np.ndarray:
+        p, shown = os.path.join(self.local_dir, fname), fs.join(self.path, fname)
+        if not os.path.exists(p) or os.path.getsize(p) != info["bytes"]:
+            size = os.path.getsize(p) if os.path.exists(p) else "no"
+            raise CacheError(f"{shown}: {size} bytes, expected {info['bytes']}")
+        if verify and _crc32(p) != info["crc32"]:
+            raise CacheError(f"{shown}: checksum mismatch (corrupt file)")
+        if not info["bytes"]:
+            return np.zeros((0,), info["dtype"])
+        return np.memmap(p, dtype=info["dtype"], mode="r")
 
     def _open(self, fname: str, info: dict, verify: bool) -> np.ndarray:
         p, shown = os.path.join(self.local_dir, fname), fs.join(self.path, fname)
@@ -150,7 +173,9 @@ class TeacherCache:
     def fingerprint(self) -> dict:
         return self.meta["fingerprint"]
 
-    def lookup(self, example_ids) -> Dict[str, np.ndarray]:
+    def lookup(self, example_ids, seq_len: Optional[int] = None) -> Dict[str, np.ndarray]:
+        """{field: float32 [b, ...]} for a batch's example ids; per-token fields need every real
+        row cached at one length, `seq_len` (the batch's T) when given."""
         ids = np.asarray(example_ids, np.int64).reshape(-1)
         real = ids >= 0
         if np.any(ids >= self.num_examples):
@@ -166,6 +191,29 @@ class TeacherCache:
         for name, arr in self.fields.items():
             rows = np.asarray(arr[safe], np.float32)
             rows[~real] = 0.0
+            out[name] = rows
+        if self.token_fields:
+            out.update(self._lookup_tokens(ids, real, seq_len))
+        return out
+
+    def _lookup_tokens(self, ids, real, seq_len: Optional[int]) -> Dict[str, np.ndarray]:
+        index = np.asarray(self.token_index[np.where(real, ids, 0)])
+        lens = set(index[real, 0].tolist())
+        if seq_len is not None:
+            lens.add(int(seq_len))
+        if len(lens) != 1:
+            raise CacheError(f"teacher cache {self.path}: a batch of rows cached at lengths "
+                             f"{sorted(lens)}; the cache was built with other buckets (rebuild it: "
+                             "delete the folder)")
+        T = lens.pop()
+        out = {}
+        for j, (name, flat) in enumerate(self.token_fields.items()):
+            shape = tuple(self.meta["token_fields"][name]["row_shapes"][str(T)])
+            n = int(np.prod(shape))
+            rows = np.zeros((len(ids),) + shape, np.float32)
+            for b in np.flatnonzero(real):
+                o = int(index[b, 1 + j])
+                rows[b] = flat[o:o + n].reshape(shape)
             out[name] = rows
         return out
 
@@ -197,13 +245,16 @@ def _fingerprint_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list:
 
 # ----------------------------------------------------------------------------- building
 
-def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Sequence[int] = ()):
+def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Sequence[int] = (),
+                 attention_layers: Sequence[int] = ()):
     """Jitted (params, input_ids, attention_mask, token_type_ids) -> {field: [b, ...]}.
 
     feature_fn(BertOutput) -> dict, e.g. `objective.teacher_features`; default: `teacher_logits`
     [b, C] (when the model has a head) and `teacher_cls` [b, K, D] = the [CLS] vector of the
-    1-based `cls_layers` (0 = embeddings). Deterministic (no dropout).
+    1-based `cls_layers` (0 = embeddings). attention_layers: 1-based layers whose attention
+    logits the model returns (for a feature_fn that reads them). Deterministic (no dropout).
     """
+    attn = tuple(int(i) for i in attention_layers) or False
     layers = tuple(int(i) for i in cls_layers)
 
     def default(out):
@@ -219,7 +270,7 @@ def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Seque
     @jax.jit
     def forward(params, input_ids, attention_mask, token_type_ids):
         out = model.apply({"params": params}, input_ids, attention_mask, token_type_ids,
-                          deterministic=True, attention_logits=False)
+                          deterministic=True, attention_logits=attn)
         return {k: v.astype(jnp.float32) for k, v in fn(out).items() if v is not None}
 
     return forward
@@ -227,14 +278,17 @@ def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Seque
 
 def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
           batches: Iterable[Mapping[str, np.ndarray]], num_examples: int,
-          num_rows: Optional[int] = None) -> TeacherCache:
+          num_rows: Optional[int] = None, token_fields: Sequence[str] = (),
+          token_dtype: str = "float32") -> TeacherCache:
     """Run `forward(params, ids, mask, types)` over `batches` and write the cache at `path`.
 
     batches: batch dicts (docs/design.md, "Batches") with `example_id` in [0, num_examples); rows with
     `valid == 0` (or example_id < 0) are skipped. num_rows: how many distinct rows the batches
     cover when that is deliberately fewer than num_examples (a run that reads part of its data);
-    fewer than that is warned about. Any existing folder at `path` is replaced only once the new
-    one is complete.
+    fewer than that is warned about. token_fields: fields of shape [b, ..., T, ...] (per-token
+    outputs), stored ragged at each row's own length in `token_dtype`; the others are stored
+    float32 [num_examples, ...]. Any existing folder at `path` is replaced only once the new one
+    is complete.
     """
     expected = int(num_examples if num_rows is None else num_rows)
     path = fs.abspath(path)
@@ -247,6 +301,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     try:
         files: Dict[str, np.ndarray] = {}
         filled = np.zeros((num_examples,), bool)
+        tokens = _TokenWriter(tmp, token_fields, token_dtype, num_examples)
         for batch in batches:
             ids = np.asarray(batch["example_id"], np.int64)
             keep = ids >= 0
@@ -258,6 +313,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                 raise IndexError(f"teacher cache: example_id {int(ids[keep].max())} >= "
                                  f"num_examples {num_examples}")
             feats = jax.device_get(forward(params, *(np.asarray(batch[k]) for k in MODEL_KEYS)))
+            feats = tokens.write(feats, ids[keep], keep, np.asarray(batch["input_ids"]).shape[1])
             for k, v in feats.items():
                 v = np.asarray(v, np.float32)
                 if k not in files:
@@ -268,7 +324,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
             filled[ids[keep]] = True
             prog.update(int(keep.sum()))
         prog.close()
-        if not files:
+        if not files and not tokens.written:
             raise ValueError(f"teacher cache {path}: the batches held no valid rows")
         n_missing = int(expected - filled.sum())
         if n_missing > 0:
@@ -284,7 +340,8 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         meta = {"version": VERSION,
                 "fingerprint": _normalise(dict(fingerprint, num_examples=int(num_examples))),
                 "num_examples": int(num_examples), "filled": int(filled.sum()),
-                "fields": fields, "filled_file": _file_info(os.path.join(tmp, FILLED))}
+                "fields": fields, "filled_file": _file_info(os.path.join(tmp, FILLED)),
+                **tokens.close()}
         # meta.json last: a folder without it is never mistaken for a complete cache.
         with open(os.path.join(tmp, META), "w") as fh:
             json.dump(meta, fh, indent=1, sort_keys=True)
@@ -292,12 +349,64 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         fs.publish_dir(tmp, path, last=[META], keep_local=fs.is_remote(path))
     except BaseException:
         prog.close()
+        tokens.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     cache = TeacherCache(path, verify=False, local=tmp if fs.is_remote(path) else None)
+    stored = list(meta["fields"].values()) + list(meta.get("token_fields", {}).values())
     cache.build_stats = {"examples_per_s": prog.rate, "seconds": prog.elapsed,
-                         "rows": int(filled.sum()), "num_examples": int(num_examples)}
+                         "rows": int(filled.sum()), "num_examples": int(num_examples),
+                         "bytes": int(sum(i["bytes"] for i in stored))}
     return cache
+
+
+class _TokenWriter:
+    """Appends per-token fields row by row to raw files, each row at its own length T."""
+
+    def __init__(self, folder: str, names: Sequence[str], dtype: str, num_examples: int):
+        self.folder, self.names, self.dtype = folder, tuple(sorted(names)), np.dtype(dtype)
+        self.index = np.full((num_examples, 1 + len(self.names)), -1, np.int64)
+        self.handles = {k: open(os.path.join(folder, k + ".bin"), "wb") for k in self.names}
+        self.offsets = {k: 0 for k in self.names}
+        self.row_shapes: Dict[str, Dict[str, list]] = {k: {} for k in self.names}
+        self.written = 0
+
+    def write(self, feats: Dict[str, Any], ids: np.ndarray, keep: np.ndarray, T: int) -> dict:
+        """Writes the token fields of the kept rows; returns the other fields."""
+        if not self.names:
+            return feats
+        missing = [k for k in self.names if k not in feats]
+        if missing:
+            raise ValueError(f"teacher cache: the forward returned no {missing}")
+        self.index[ids, 0] = T
+        for j, k in enumerate(self.names):
+            v = np.ascontiguousarray(np.asarray(feats[k])[keep], self.dtype)
+            n = int(np.prod(v.shape[1:]))
+            self.row_shapes[k].setdefault(str(T), list(v.shape[1:]))
+            self.index[ids, 1 + j] = self.offsets[k] + n * np.arange(len(ids))
+            self.handles[k].write(v.tobytes())
+            self.offsets[k] += n * len(ids)
+        self.written += len(ids)
+        return {k: v for k, v in feats.items() if k not in self.names}
+
+    def close(self) -> dict:
+        """Meta entries for the token fields ({} without any)."""
+        for fh in self.handles.values():
+            fh.close()
+        if not self.names:
+            return {}
+        p = os.path.join(self.folder, TOKEN_INDEX)
+        np.save(p, self.index)
+        info = {}
+        for k in self.names:
+            f = os.path.join(self.folder, k + ".bin")
+            info[k] = {"dtype": self.dtype.name, "row_shapes": self.row_shapes[k],
+                       "bytes": os.path.getsize(f), "crc32": _crc32(f)}
+        return {"token_fields": info, "token_index_file": _file_info(p)}
+
+    def abort(self) -> None:
+        for fh in self.handles.values():
+            fh.close()
 
 
 def _file_info(p: str) -> dict:
@@ -308,7 +417,8 @@ def _file_info(p: str) -> dict:
 
 def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                   batches: Union[Iterable, Callable[[], Iterable]], num_examples: int,
-                  verify: bool = True, num_rows: Optional[int] = None) -> TeacherCache:
+                  verify: bool = True, num_rows: Optional[int] = None,
+                  token_fields: Sequence[str] = (), token_dtype: str = "float32") -> TeacherCache:
     """The cache at `path` if it was built from the same `fingerprint`, else (re)build it.
 
     fingerprint: what the outputs depend on, e.g. {"teacher": params_fingerprint(p),
@@ -332,13 +442,26 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
             else:
                 log.warning("teacher cache %s is unusable, rebuilding it: %s", path, e)
     it = batches() if callable(batches) else batches
-    return build(path, fingerprint, forward, params, it, num_examples, num_rows=num_rows)
+    return build(path, fingerprint, forward, params, it, num_examples, num_rows=num_rows,
+                 token_fields=token_fields, token_dtype=token_dtype)
 
 
 # ----------------------------------------------------------------------------- trainer glue
 
+def token_cache_bytes(obj, seq_lens: np.ndarray, dtype: str = "float16") -> int:
+    """Disk bytes of the per-token teacher cache of an intermediate objective for rows padded
+    to `seq_lens` (int [R], each row's bucket length): attention logits [K_a, H, T, T] plus
+    hidden states [K_h, T, D] per row."""
+    tc = obj.teacher_config
+    T = np.asarray(seq_lens, np.int64)
+    ka = len(obj.teacher_attention_layers) * tc.num_attention_heads
+    kh = len(getattr(obj, "teacher_hidden_layers", ())) * tc.hidden_size
+    return int(np.dtype(dtype).itemsize * np.sum(ka * T * T + kh * T))
+
+
 def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: int = 64,
-                       num_steps: Optional[int] = None) -> TeacherCache:
+                       num_steps: Optional[int] = None,
+                       token_dtype: Optional[str] = None) -> TeacherCache:
     """The cache for a training run (called by `train.train_and_evaluate`).
 
     Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
@@ -346,7 +469,9 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     None): a run of fewer steps than an epoch of a large (e.g. augmented) train set forwards
     only the rows it will use. One pass in dataset order, no dropped remainder. Each process
     builds its own copy (under `cache/teacher_p<i>` when there are several): no collective is
-    involved, and the workdir need not be shared.
+    involved, and the workdir need not be shared. token_dtype (float16 | float32): cache the
+    objective's per-token features (intermediate stage: attention logits, hidden states), each
+    row at its bucket length, in that dtype.
     """
     ds = data.train_dataset
     n = len(ds)
@@ -361,6 +486,18 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         "layers": list(getattr(obj, "teacher_cls_layers", ()) or ()),
         "objective": getattr(obj, "name", None),
     }
+    buckets = getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
+    token_fields: Tuple[str, ...] = ()
+    attn_layers: Tuple[int, ...] = ()
+    if token_dtype:
+        probe = {"teacher_attn": obj.teacher_attention_layers,
+                 "teacher_hidden": getattr(obj, "teacher_hidden_layers", ())}
+        token_fields = tuple(k for k, v in probe.items() if v)
+        attn_layers = tuple(obj.teacher_attention_layers)
+        # A row's length is its bucket's: other buckets need another cache.
+        fingerprint.update(buckets=list(buckets), token_dtype=str(token_dtype),
+                           hidden_layers=list(probe["teacher_hidden"]),
+                           attention_layers=list(attn_layers))
     rows = _rows_read(data.train_batches, ds, num_steps)
     if rows is not None:
         # Which rows is part of what the cache holds: another step count or seed rebuilds it.
@@ -369,7 +506,6 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
                  num_steps, len(rows), n)
     name = "teacher" if jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
     path = fs.join(workdir, "cache", name)
-    buckets = getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
 
     def batches():
         src = ds if rows is None else tokenize.take(ds, rows)
@@ -381,9 +517,10 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
                 batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)
             yield batch
 
-    forward = make_forward(models.teacher, obj.teacher_features)
+    forward = make_forward(models.teacher, obj.teacher_features, attention_layers=attn_layers)
     return build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
-                         num_rows=None if rows is None else len(rows))
+                         num_rows=None if rows is None else len(rows),
+                         token_fields=token_fields, token_dtype=token_dtype or "float32")
 
 
 def _rows_read(batcher, ds, num_steps: Optional[int]) -> Optional[np.ndarray]:

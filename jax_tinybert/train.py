@@ -76,7 +76,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         while step < run.total_steps:
             batch = next(run.data.train_batches)
             if run.cache is not None:
-                batch.update(run.cache.lookup(batch["example_id"]))
+                batch.update(run.cache.lookup(batch["example_id"],
+                                              seq_len=batch["input_ids"].shape[1]))
             feed = {k: v for k, v in batch.items() if k != "example_id"}
             state, metrics = run.step.train_step(state, run.teacher_params,
                                                  shd.shard_batch(feed, run.mesh))

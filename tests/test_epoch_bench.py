@@ -55,3 +55,18 @@ def test_render_marks_targets_met_and_missed():
     line = next(x for x in table.splitlines() if "later epoch" in x)
     assert "10.00x" in line and line.endswith("yes |")
     assert "sst2 pred: 25 s wall" in table
+
+
+def test_two_epoch_run_splits_at_the_logged_step_times():
+    # 100 steps per epoch; steps logged every 50 from t=40 s (after start-up, cache, compile),
+    # 0.5 s a step in epoch 1 and 0.3 s in epoch 2; 12 s of checkpoint + export after step 200.
+    marks = [(50, 40.0), (100, 65.0), (150, 80.0), (200, 95.0)]
+    r = {"wall_s": 107.0, "cpu_s": 214.0, "steps": 200, "step_marks": marks, "marks": {}}
+    first, later = epoch.split_epochs(r)
+    assert later["wall_s"] == pytest.approx(30.0) and later["steps"] == 100
+    assert first["wall_s"] == pytest.approx(77.0) and first["steps"] == 100
+    assert first["cpu_s"] + later["cpu_s"] == pytest.approx(214.0)
+    assert "steps 101-200" in later["detail"]
+    assert epoch._time_at_step(marks, 75) == pytest.approx(52.5)  # interpolated
+    with pytest.raises(ValueError, match="outside"):
+        epoch._time_at_step(marks, 250)

@@ -334,3 +334,90 @@ def test_short_run_caches_only_the_rows_it_reads(tmp_path, small, caplog):
     every = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=40 * spe)
     assert every.build_stats["rows"] == len(small.ds) and "rows" not in every.fingerprint
     assert tc.build_for_training(models, obj, data, str(tmp_path)).build_stats is None
+
+
+# ----------------------------------------------------------------- intermediate (per-token) cache
+
+def _intermediate(small):
+    from jax_tinybert import objectives
+
+    t_cfg = small.model.config
+    s_cfg = t_cfg.replace(num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+    obj = objectives.make_objective("tinybert_intermediate",
+                                    {"mode": "masked", "projection": "shared"}, s_cfg, t_cfg)
+    models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
+                                   teacher_config=t_cfg, tokenizer_dir=_TOKENIZER_DIR())
+    student = BertForSequenceClassification(s_cfg)
+    s_params = init_params(student, jax.random.PRNGKey(1))
+    return obj, models, student, s_params
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float16", 2e-3)])
+def test_intermediate_cache_equals_live_teacher(tmp_path, small, dtype, tol):
+    obj, models, student, s_params = _intermediate(small)
+    assert obj.teacher_attention_layers == (2,) and obj.teacher_hidden_layers == (0, 2)
+    train = lambda: BucketedBatcher(small.ds, 8, (16, 32, 64), train=True, seed=2,
+                                    process_index=0, process_count=1)
+    data = types.SimpleNamespace(train_dataset=small.ds, train_batches=train())
+    spe = data.train_batches.steps_per_epoch
+    cache = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=2 * spe,
+                                  token_dtype=dtype)
+    assert set(cache.token_fields) == {"teacher_attn", "teacher_hidden"}
+    # Rows are stored at their own bucket length: 16 and 32 here, never padded to 64.
+    assert set(cache.meta["token_fields"]["teacher_attn"]["row_shapes"]) == {"16", "32"}
+    want_bytes = tc.token_cache_bytes(obj, cache.token_index[cache.filled, 0], dtype)
+    assert cache.build_stats["bytes"] - sum(i["bytes"] for i in cache.meta["fields"].values()) \
+        == want_bytes
+    proj = obj.init_projection(jax.random.PRNGKey(3))
+    it, seen_T = train(), set()
+    for _ in range(2 * spe):
+        b = next(it)
+        T = b["input_ids"].shape[1]
+        seen_T.add(T)
+        live = small.model.apply({"params": small.params}, b["input_ids"], b["attention_mask"],
+                                 b["token_type_ids"], attention_logits=(2,))
+        got = cache.lookup(b["example_id"], seq_len=T)
+        scale = lambda x: tol * max(1.0, float(np.abs(x).max()))
+        want_attn = np.asarray(live.attention_logits[1])[:, None]
+        want_hid = np.stack([np.asarray(live.hidden_states[i]) for i in (0, 2)], 1)
+        assert got["teacher_attn"].shape == (8, 1, 4, T, T)
+        np.testing.assert_allclose(got["teacher_attn"], want_attn, atol=scale(want_attn))
+        np.testing.assert_allclose(got["teacher_hidden"], want_hid, atol=scale(want_hid))
+        # The loss from the cached outputs equals the loss from the live teacher.
+        s_out = student.apply({"params": s_params}, b["input_ids"], b["attention_mask"],
+                              b["token_type_ids"], attention_logits=(1,))
+        feed = {k: jnp.asarray(v) for k, v in b.items() if k != "example_id"}
+        l_live, _ = obj(proj, s_out, live, feed)
+        l_cached, terms = obj(proj, s_out, None, {**feed, **got})
+        assert set(terms) >= {"attn", "hidn", "embd"}
+        np.testing.assert_allclose(float(l_cached), float(l_live), rtol=10 * tol)
+    assert seen_T == {16, 32}
+    with pytest.raises(tc.CacheError, match="lengths"):
+        cache.lookup(b["example_id"], seq_len=64)
+
+
+def test_intermediate_cache_damage_and_other_buckets_rebuild(tmp_path, small, caplog):
+    obj, models, _, _ = _intermediate(small)
+    mk = lambda buckets: types.SimpleNamespace(
+        train_dataset=small.ds, train_batches=BucketedBatcher(
+            small.ds, 8, buckets, train=True, seed=2, process_index=0, process_count=1))
+    c1 = tc.build_for_training(models, obj, mk((16, 32, 64)), str(tmp_path), num_steps=8,
+                               token_dtype="float16")
+    assert c1.build_stats is not None
+    reused = tc.build_for_training(models, obj, mk((16, 32, 64)), str(tmp_path), num_steps=8,
+                                   token_dtype="float16")
+    assert reused.build_stats is None
+    # Another bucket set changes every row's stored length: rebuilt, not misread.
+    c2 = tc.build_for_training(models, obj, mk((32,)), str(tmp_path), num_steps=8,
+                               token_dtype="float16")
+    assert c2.build_stats is not None
+    assert set(c2.meta["token_fields"]["teacher_hidden"]["row_shapes"]) == {"32"}
+    # A flipped byte in the raw per-token file is caught by its checksum and rebuilt.
+    p = tmp_path / "cache" / "teacher" / "teacher_attn.bin"
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        c3 = tc.build_for_training(models, obj, mk((32,)), str(tmp_path), num_steps=8,
+                                   token_dtype="float16")
+    assert c3.build_stats is not None and "checksum mismatch" in caplog.text

@@ -215,3 +215,39 @@ def test_task_configs_choose_buckets_from_the_data(tmp_path, glue_dir, teacher_d
         len(want) > 2
     c.data.buckets = (32,)  # explicit buckets are used as given (+ max_len)
     assert build.build_data(c, str(tmp_path), teacher_dir).train_batches.buckets == (32, 64)
+
+
+# --------------------------------------------------------------------------- intermediate cache
+
+def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
+    """Runs reading their rows more than once cache the teacher's attention logits and hidden
+    states (teacher.cache_tokens='auto'): the same losses as the live teacher, step by step."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from helpers import tiny_run
+
+    teacher = tiny_run.tiny_teacher(tmp_path / "teacher")
+
+    def run(name, steps, **teacher_cfg):
+        c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
+        c.data.synthetic_train, c.data.max_len, c.data.buckets = 64, 32, (16, 32)
+        c.teacher.path = teacher
+        c.teacher.update(teacher_cfg)
+        c.student.update(init="random", num_hidden_layers=1, hidden_size=16,
+                         intermediate_size=32, num_attention_heads=4)
+        c.train.update(batch_size=16, num_steps=steps, log_every=1, checkpoint_every=1000)
+        c.export.enabled = False
+        summary = train.train_and_evaluate(c, str(tmp_path / name))
+        losses = [r["train/loss"] for r in _records(tmp_path / name, "train")]
+        return summary, np.asarray(losses), (tmp_path / name / "cache" / "teacher").exists()
+
+    _, live, live_cached = run("live", 10, cache_tokens="never")
+    _, f32, f32_cached = run("f32", 10, cache_dtype="float32")           # auto: 10 > 1 epoch
+    _, f16, f16_cached = run("f16", 10)                                   # default float16
+    _, _, once_cached = run("once", 3)                                    # under an epoch
+    assert (live_cached, f32_cached, f16_cached, once_cached) == (False, True, True, False)
+    assert len(live) == len(f32) == 10 and live[-1] < live[0]
+    np.testing.assert_allclose(f32, live, rtol=1e-5)
+    np.testing.assert_allclose(f16, live, rtol=2e-3)
+    meta = json.load(open(tmp_path / "f16" / "cache" / "teacher" / "meta.json"))
+    assert set(meta["token_fields"]) == {"teacher_attn", "teacher_hidden"}
+    assert meta["token_fields"]["teacher_attn"]["dtype"] == "float16"
