@@ -5,7 +5,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -86,11 +85,9 @@ def test_torch_reference_losses_match_minilm(stage, student, minilm):
 def test_step_throughput_smoke(tmp_path):
     out = tmp_path / "smoke.json"
     env = {k: v for k, v in os.environ.items() if k != "JTB_BENCH_REEXEC"}
-    t0 = time.time()
     proc = subprocess.run([sys.executable, str(BENCH / "step_throughput.py"), "--smoke",
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
-    elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     # The script re-executed itself with the glibc malloc settings.
@@ -102,10 +99,10 @@ def test_step_throughput_smoke(tmp_path):
             assert np.isfinite(r[k]) and r[k] > 0, (r["stage"], k, r[k])
         assert np.isfinite(r["loss"])
     assert res["matmul_peak"]["jax_flop_s"] > 0
-    # A generous bound: the smoke run takes seconds on an idle 2-core machine; other jobs
-    # running in parallel (e.g. pytest -n) slow it down.
-    load = os.getloadavg()[0] / max(1, os.cpu_count() or 1)
-    assert elapsed < 60 * max(1.0, load), f"smoke run took {elapsed:.0f}s (load {load:.1f}/core)"
+    # Wiring, not speed (timings belong in benchmarks/): the printed table carries the numbers.
+    rows = [x for x in proc.stdout.splitlines() if x.startswith("| tiny |")]
+    assert [x.split("|")[3].strip() for x in rows[:len(st.STAGES)]] == \
+        [s.replace("tinybert_", "") for s in st.STAGES]
 
 
 def test_step_throughput_accelerator_path(monkeypatch, tmp_path, capsys):
