@@ -32,9 +32,10 @@ Writes a markdown table to stdout and to --out (and results.json in the workdir)
 any of the nine GLUE tasks (DIR/<TaskFolder>/{train,dev}.tsv), sized for about an hour per task on
 2 CPU cores: every stage sees ~67k examples (one SST-2 epoch; small tasks up to 5 teacher / 10
 student epochs, large tasks a fraction of an epoch). Rows: teacher (packaged MiniLM-L6 fine-tuned),
-tinybert (intermediate + prediction distillation), tinybert+da (the same steps on augmented data:
-embedding-neighbour DA from the teacher's word embeddings, or MLM DA with --mlm, e.g. the export of
-configs/mlm_head.py), pkd, kd, labels-only (the same student on gold labels) and majority. Every
+tinybert (intermediate + prediction distillation), tinybert+da (each stage one epoch of the
+augmented set, N augmented sentences per text column sized so that epoch is about the no-DA
+stage's examples, i.e. about equal compute; embedding-neighbour DA from the teacher's word
+embeddings, or MLM DA with --mlm, e.g. the export of configs/mlm_head.py), pkd, kd, labels-only (the same student on gold labels) and majority. Every
 student is 3 layers, d 384, initialised from the fine-tuned teacher's layers 1-3. W/results.json is
 a list of {"task", "model", "dev", "metric", "export", "params", "wall_s"} (rewritten after each
 task), W/stages.json the per-stage summaries.
@@ -280,7 +281,7 @@ CPU = dict(
     # PKD init, see RESULTS.md for why not general distillation on this budget).
     init_layers=(1, 2, 3),
     lr=dict(teacher=5e-5, inter=5e-5, pred=5e-5, kd=5e-5, pkd=5e-5, labels=5e-5),
-    da_max_N=20, da_K=15, da_p=0.4)
+    da_K=15, da_p=0.4)
 CPU_ROWS = ("teacher", "tinybert", "tinybert+da", "pkd", "kd", "labels-only", "majority")
 
 
@@ -312,9 +313,17 @@ def _student_init(teacher_export: str) -> dict:
             "student.teacher_layers": CPU["init_layers"]}
 
 
-def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int) -> dict:
+def da_n(student_epochs: float, text_cols: int) -> int:
+    """Augmented sentences per text column so that one epoch of the augmented set, n (1 + N x
+    cols) rows, is about what a no-DA stage reads (student_epochs x n): DA at about equal
+    compute, every augmented row read once. At least 1."""
+    return max(1, int(round((student_epochs - 1.0) / max(1, text_cols))))
+
+
+def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int,
+                student_epochs: float) -> dict:
     """<tdir>/data/train_aug.tsv: embedding-neighbour DA from the teacher's word embeddings, or
-    MLM DA with --mlm. N grows as the train set shrinks (<= da_max_N)."""
+    MLM DA with --mlm; N from `da_n` (or --da_N)."""
     from jax_tinybert import hf
     from jax_tinybert.data import augment, glue, tokenize
     from jax_tinybert.modeling import BertForMaskedLM
@@ -329,7 +338,7 @@ def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int) -
     if args.train_subset:
         src = _write_subset_tsv(args.glue_dir, task, args.train_subset, 0,
                                 os.path.join(tdir, "data", "train.tsv"))
-    N = int(min(CPU["da_max_N"], max(1, round(CPU_EXAMPLES_PER_STAGE / max(1, n_train)))))
+    N = args.da_N or da_n(student_epochs, 2 if spec.is_pair else 1)
     max_len = 128 if spec.is_pair else 64
     common = dict(N=N, K=CPU["da_K"], p=CPU["da_p"], seed=42, max_seq_len=max_len,
                   batch_size=64, buckets=(32, 64, 128))
@@ -375,28 +384,28 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
                                    "teacher.path": "packaged"}), os.path.join(tdir, "teacher"))
     init = _student_init(teacher_export)
 
-    def tinybert(suffix: str, train_file: str = "", steps: Optional[Dict[str, int]] = None):
+    def tinybert(suffix: str, train_file: str = ""):
         c = _load_config("task_distill", f"{task}_intermediate")
         o = {**_cpu_common(args, task, se, lr["inter"]), **init}
-        if train_file:  # same number of steps as without DA: more varied data, equal compute
-            o.update({"data.train_file": train_file, "data.train_subset": 0,
-                      "train.num_steps": steps["inter"]})
+        # With DA: one epoch of the augmented set (sized by da_n to about the no-DA stage's
+        # examples): every augmented row read once, about equal compute.
+        da = {"data.train_file": train_file, "data.train_subset": 0, "train.num_epochs": 1.0}
+        if train_file:
+            o.update(da)
         res["inter" + suffix] = _run(_set(c, o), os.path.join(tdir, "inter" + suffix))
         c = _load_config("task_distill", f"{task}_pred")
         o = {**_cpu_common(args, task, se, lr["pred"]), "teacher.path": teacher_export,
              "student.init": "pretrained",
              "student.path": os.path.join(tdir, "inter" + suffix, "export")}
         if train_file:
-            o.update({"data.train_file": train_file, "data.train_subset": 0,
-                      "train.num_steps": steps["pred"]})
+            o.update(da)
         res["pred" + suffix] = _run(_set(c, o), os.path.join(tdir, "pred" + suffix))
 
     if "tinybert" in want or "tinybert+da" in want:
         tinybert("")
     if "tinybert+da" in want and not args.no_da:
-        res["da_info"] = cpu_augment(args, task, tdir, teacher_export, n)
-        tinybert("_da", res["da_info"]["path"],
-                 {"inter": res["inter"]["steps"], "pred": res["pred"]["steps"]})
+        res["da_info"] = cpu_augment(args, task, tdir, teacher_export, n, se)
+        tinybert("_da", res["da_info"]["path"])
 
     # The same student and steps on gold labels alone: what distillation adds.
     if "labels-only" in want:
@@ -678,13 +687,16 @@ def main(argv=None) -> str:
     ap.add_argument("--rows", default="",
                     help="budget cpu: comma list of rows to run, of " + ",".join(CPU_ROWS)
                     + " (default all; the teacher always runs, the others need it; tinybert+da also runs"
-                    " tinybert, whose step counts size the DA stages)")
+                    " tinybert, its no-DA counterpart)")
     ap.add_argument("--teacher_max_epochs", type=float, default=0.0,
                     help=f"budget cpu: cap on teacher epochs (default {CPU['teacher_max_epochs']})")
     ap.add_argument("--student_max_epochs", type=float, default=0.0,
                     help=f"budget cpu: cap on student epochs (default {CPU['student_max_epochs']})")
     ap.add_argument("--max_steps", type=int, default=0,
                     help="budget cpu: cap every stage at this many steps (smoke tests)")
+    ap.add_argument("--da_N", type=int, default=0,
+                    help="budget cpu: augmented sentences per text column (default: sized so one "
+                    "epoch of the augmented set ~ the no-DA stage's examples, see da_n)")
     ap.add_argument("--lr", default="",
                     help="budget cpu: learning rates per stage, e.g. teacher=1e-4,pred=3e-5 "
                     f"(stages {','.join(CPU['lr'])}; default {json.dumps(CPU['lr'])})")

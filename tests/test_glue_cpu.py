@@ -85,3 +85,11 @@ def test_bad_arguments_are_one_line_errors(tmp_path, glue_dir, argv, msg):
                        env={**os.environ, "PYTHONPATH": REPO})
     assert p.returncode == 2 and msg in p.stderr, p.stderr
     assert not (tmp_path / "w" / "results.json").exists()
+
+
+def test_da_sized_to_one_augmented_epoch_of_about_the_no_da_examples(glue_bench):
+    # MRPC pairs, 4 student epochs: n (1 + 2 N) ~ 4 n -> N = 2 (5 n rows, one epoch read).
+    assert glue_bench.da_n(4.0, 2) == 2
+    # SST-2 single sentences, 1 epoch: at least one augmented sentence each (2 n rows).
+    assert glue_bench.da_n(1.0, 1) == 1
+    assert glue_bench.da_n(10.0, 1) == 9 and glue_bench.da_n(10.0, 2) == 4
