@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from typing import Any, Dict, Optional
 
@@ -116,6 +117,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
                "wall_s": wall_before + time.time() - t_start, "export": export_dir,
                "export_step": export_step if export_dir else None, "task": run.data.task}
     writer.close()
+    _drop_token_cache(run.cache)
     if is_main:
         write_json_atomic(os.path.join(workdir, "summary.json"), summary, indent=1,
                           default=float)
@@ -127,6 +129,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
 
 
 # --------------------------------------------------------------------------- loop helpers
+
+def _drop_token_cache(cache) -> None:
+    """Deletes a finished run's per-token teacher cache: GBs that only a resumed (unfinished)
+    run reads again. The small logits / [CLS] caches stay."""
+    if cache is None or not cache.token_fields:
+        return
+    gb = sum(i["bytes"] for i in cache.meta["token_fields"].values()) / 1e9
+    fs.rmtree(cache.path)
+    if cache.local_dir != cache.path:
+        shutil.rmtree(cache.local_dir, ignore_errors=True)
+    if jax.process_index() == 0:
+        print(f"[teacher cache] removed the per-token cache {cache.path} ({gb:.2f} GB): the run "
+              "is finished", flush=True)
+
 
 def _restore(ckpt: Checkpointer, run: build.Run, state, workdir: str):
     """-> (start step, state, best eval, the run's history so far) from the newest readable

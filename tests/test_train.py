@@ -238,16 +238,17 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
         c.export.enabled = False
         summary = train.train_and_evaluate(c, str(tmp_path / name))
         losses = [r["train/loss"] for r in _records(tmp_path / name, "train")]
-        return summary, np.asarray(losses), (tmp_path / name / "cache" / "teacher").exists()
+        built = _records(tmp_path / name, "teacher_cache")
+        # A finished run deletes its per-token cache (GBs only a resumed run would read).
+        assert not (tmp_path / name / "cache" / "teacher").exists()
+        return summary, np.asarray(losses), built[0]["teacher_cache/bytes"] if built else 0
 
     _, live, live_cached = run("live", 10, cache_tokens="never")
     _, f32, f32_cached = run("f32", 10, cache_dtype="float32")           # auto: 10 > 1 epoch
     _, f16, f16_cached = run("f16", 10)                                   # default float16
     _, _, once_cached = run("once", 3)                                    # under an epoch
-    assert (live_cached, f32_cached, f16_cached, once_cached) == (False, True, True, False)
+    assert live_cached == once_cached == 0 and f32_cached > 0
+    assert f16_cached == pytest.approx(f32_cached / 2, rel=0.01)   # float16: half the bytes
     assert len(live) == len(f32) == 10 and live[-1] < live[0]
     np.testing.assert_allclose(f32, live, rtol=1e-5)
     np.testing.assert_allclose(f16, live, rtol=2e-3)
-    meta = json.load(open(tmp_path / "f16" / "cache" / "teacher" / "meta.json"))
-    assert set(meta["token_fields"]) == {"teacher_attn", "teacher_hidden"}
-    assert meta["token_fields"]["teacher_attn"]["dtype"] == "float16"
