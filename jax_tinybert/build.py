@@ -328,10 +328,19 @@ class Run:
     step: Step
     cache: Optional[teacher_cache.TeacherCache]
     teacher_params: Any
+    # Builds the per-token (intermediate) cache on first use: GBs and minutes, so train.py asks
+    # for it only when steps are left to train (not for a finished run rerun in place).
+    cache_builder: Optional[Callable[[], teacher_cache.TeacherCache]] = None
 
     @property
     def evaluates(self) -> bool:
         return self.step.eval_step is not None
+
+    def ensure_cache(self) -> Optional[teacher_cache.TeacherCache]:
+        """The teacher cache, built now if it was deferred."""
+        if self.cache is None and self.cache_builder is not None:
+            self.cache = self.cache_builder()
+        return self.cache
 
 
 def make_mesh(config):
@@ -405,7 +414,7 @@ def build_run(config, workdir: str) -> Run:
     models = build_models(config, data.num_labels, data.id2label)
     obj = build_objective(config, models.student_config, models.teacher_config)
     total = total_steps(config, data.train_batches.steps_per_epoch)
-    cache = None
+    cache, builder = None, None
     if uses_teacher_cache(config, obj):
         cache = teacher_cache.build_for_training(models, obj, data, workdir, mesh,
                                                  num_steps=total)
@@ -414,12 +423,13 @@ def build_run(config, workdir: str) -> Run:
         if obj.teacher_token_cacheable and config.teacher.cache_tokens != "never":
             log.info("teacher per-token cache: %s (%s)", "yes" if tokens else "no", why)
         if tokens:
-            cache = teacher_cache.build_for_training(
+            builder = lambda: teacher_cache.build_for_training(  # noqa: E731
                 models, obj, data, workdir, mesh, num_steps=total,
                 token_dtype=config.teacher.cache_dtype)
-    teacher = models.teacher if teacher_in_step(config, obj) and cache is None else None
+    cached = cache is not None or builder is not None
+    teacher = models.teacher if teacher_in_step(config, obj) and not cached else None
     step = build_step(config, student=models.student, teacher=teacher, objective=obj,
                       student_params=models.student_params, teacher_params=models.teacher_params,
                       mesh=mesh, total_steps=total, with_eval=evaluates(obj, data))
     return Run(config, mesh, data, models, obj, total, step, cache,
-               step.put_teacher(models.teacher_params))
+               step.put_teacher(models.teacher_params), builder)

@@ -53,8 +53,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     ckpt = Checkpointer(workdir, max_to_keep=config.train.max_to_keep,
                         save_interval_steps=config.train.checkpoint_every,
                         keep_best=run.evaluates, best_metric="main", best_mode="max")
+    # A deferred (per-token) teacher cache is built before the SIGTERM handler is installed, so
+    # a preemption during the build stops at once; and only when steps are left to train.
+    if (ckpt.latest_step() or 0) < run.total_steps:
+        run.ensure_cache()
     preemption = Preemption().install()
     start_step, state, best, past = _restore(ckpt, run, state, workdir)
+    if start_step < run.total_steps:
+        run.ensure_cache()   # the latest checkpoint was damaged: an earlier one was restored
     # The run so far (carried in each checkpoint's meta), so that summary.json covers every
     # segment of a resumed run, and a finished run rerun in place keeps its history.
     history = list(past.get("eval_history", []))

@@ -193,3 +193,35 @@ def test_sigterm_through_the_cli_stops_within_a_step_and_exits_143(setup, tmp_pa
     saved = T.saved_step(out)
     assert 2 <= saved <= 6, (saved, out[-2000:])
     assert T.checkpoint_done(wd, saved)
+
+
+@pytest.mark.timeout(600)
+def test_intermediate_run_with_teacher_cache_resumes_on_the_same_cache(setup, tmp_path):
+    """40 steps over 256 rows (32 a epoch): the run caches the teacher's attention logits and
+    hidden states first. Preempted after step 10 and rerun, it reuses that cache (no second
+    build record) and ends exactly where the unbroken run does; both delete it at the end."""
+    teacher, cache = setup
+    steps = 40
+    args = lambda wd: T.train_args(wd, teacher, steps=steps, extra=(  # noqa: E731
+        "--config.teacher.cache_dtype=float32",))
+    straight = tmp_path / "straight"
+    res = _run(args(straight), _env(cache))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    wd = tmp_path / "wd"
+    proc = _start(args(wd), _env(cache), tmp_path / "killed.log")
+    try:
+        T.wait_for(lambda: T.checkpoint_done(wd, 10), RUN_TIMEOUT, proc, "checkpoint 10")
+        assert (wd / "cache" / "teacher" / "teacher_attn.bin").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (wd / "cache" / "teacher" / "meta.json").exists()   # kept for the rerun
+    res = _run(args(wd), _env(cache))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert _resumed_step(res.stdout) >= 10
+    T.assert_same_outputs(straight, wd)   # incl. metrics.jsonl: one teacher_cache record
+    d = T.max_abs_diff(T.restore_state(straight, steps), T.restore_state(wd, steps))
+    assert d == 0.0, f"final state differs from the straight run by {d}"
+    assert not (wd / "cache" / "teacher").exists() and not (straight / "cache" / "teacher").exists()
