@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import shutil
+import tempfile
 from typing import Any, Callable, Optional, Tuple
 
 import jax
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_tinybert import config_base, objectives, optim
+from jax_tinybert import config_base, fs, objectives, optim
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
 from jax_tinybert import teacher_cache
@@ -366,6 +367,17 @@ def uses_teacher_cache(config, objective: objectives.Objective) -> bool:
                 and not config.teacher.dropout)
 
 
+def _local_disk(workdir: str) -> str:
+    """The local folder whose disk a cache under `workdir` is written to (a bucket workdir's
+    files are staged in the temp dir first)."""
+    if fs.is_remote(workdir):
+        return tempfile.gettempdir()
+    p = os.path.abspath(workdir)
+    while not os.path.isdir(p):   # a workdir not created yet
+        p = os.path.dirname(p)
+    return p
+
+
 def token_cache_plan(config, objective: objectives.Objective, data: Data, total: int,
                      workdir: str) -> Tuple[bool, str]:
     """Whether this run caches the teacher's per-token outputs (intermediate stage), and why.
@@ -385,8 +397,7 @@ def token_cache_plan(config, objective: objectives.Objective, data: Data, total:
     lens = batching.assign_buckets(data.train_dataset.lengths[rows], data.train_batches.buckets)
     T = np.asarray(data.train_batches.buckets, np.int64)[lens]
     need = teacher_cache.token_cache_bytes(objective, T, config.teacher.cache_dtype)
-    free = shutil.disk_usage(workdir if os.path.isdir(workdir) else
-                             os.path.dirname(os.path.abspath(workdir))).free
+    free = shutil.disk_usage(_local_disk(workdir)).free
     limit = min(config.teacher.cache_max_gb * 1e9, 0.8 * free)
     if need > limit:
         why = (f"the teacher's per-token outputs of {len(rows):,} rows need {need / 1e9:.1f} GB, "

@@ -252,6 +252,13 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
     assert len(live) == len(f32) == 10 and live[-1] < live[0]
     np.testing.assert_allclose(f32, live, rtol=1e-5)
     np.testing.assert_allclose(f16, live, rtol=2e-3)
+    # Over its size limit: 'auto' keeps the live teacher (same losses), 'always' refuses.
+    _, capped, capped_cached = run("capped", 10, cache_max_gb=1e-6)
+    assert capped_cached == 0
+    np.testing.assert_allclose(capped, live, rtol=1e-6)
+    with pytest.raises(train.ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
+                       r"over min\(teacher.cache_max_gb=1e-06 GB"):
+        run("refused", 10, cache_tokens="always", cache_max_gb=1e-6)
     # A finished run rerun in place does not build the cache again just to do nothing.
     again, _, _ = run("f32", 10, cache_dtype="float32")
     assert again["steps"] == 10 and len(_records(tmp_path / "f32", "teacher_cache")) == 1
