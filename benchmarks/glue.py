@@ -281,7 +281,14 @@ CPU = dict(
     # PKD init, see RESULTS.md for why not general distillation on this budget).
     init_layers=(1, 2, 3),
     lr=dict(teacher=5e-5, inter=5e-5, pred=5e-5, kd=5e-5, pkd=5e-5, labels=5e-5),
-    da_K=15, da_p=0.4)
+    da_K=15, da_p=0.4,
+    # The student is as wide as the teacher (384): its hidden states are matched to the
+    # teacher's directly, not through a learned fit_dense, so they stay in the teacher's space
+    # and the copied pooler + head still fit after the intermediate stage. With 'shared'
+    # (the official fit_dense) STS-B's student ended at CLS cosine 0.23 to the teacher, its
+    # head output collapsed (std 0.07), and the prediction stage reached 0.545 against 0.813
+    # for labels-only (RESULTS.md, STS-B).
+    inter_projection="none")
 CPU_ROWS = ("teacher", "tinybert", "tinybert+da", "pkd", "kd", "labels-only", "majority")
 
 
@@ -386,7 +393,8 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
 
     def tinybert(suffix: str, train_file: str = ""):
         c = _load_config("task_distill", f"{task}_intermediate")
-        o = {**_cpu_common(args, task, se, lr["inter"]), **init}
+        o = {**_cpu_common(args, task, se, lr["inter"]), **init,
+             "objective.projection": CPU["inter_projection"]}
         # With DA: one epoch of the augmented set (sized by da_n to about the no-DA stage's
         # examples): every augmented row read once, about equal compute.
         da = {"data.train_file": train_file, "data.train_subset": 0, "train.num_epochs": 1.0}
