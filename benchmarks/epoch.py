@@ -201,11 +201,20 @@ def split_epochs(r: dict) -> tuple:
     spe = r["steps"] // 2
     t1 = _time_at_step(r["step_marks"], spe)
     t2 = _time_at_step(r["step_marks"], 2 * spe)
+    m = r["marks"]
     later = dict(r, wall_s=t2 - t1, steps=spe, cpu_s=r["cpu_s"] * (t2 - t1) / r["wall_s"],
-                 detail=f"{spe} steps, steps {spe + 1}-{2 * spe} of one 2-epoch process")
+                 detail=f"{spe} steps, steps {spe + 1}-{2 * spe} of one 2-epoch process",
+                 phases={f"steps {spe + 1}-{2 * spe}": t2 - t1})
     first = dict(r, wall_s=r["wall_s"] - (t2 - t1), steps=spe,
                  cpu_s=r["cpu_s"] - later["cpu_s"],
                  detail=f"{spe} steps + start-up, caches, compiles, final checkpoint, export")
+    if "setup_done" in m and "first_step" in m:
+        first["phases"] = {
+            "start-up, data, models" + (", teacher cache" if "cache_start" in m else ""):
+                m["setup_done"],
+            "first step (compile)": m["first_step"] - m["setup_done"],
+            f"steps 2-{spe}": t1 - m["first_step"],
+            "final checkpoint, export, exit": r["wall_s"] - t2}
     return first, later
 
 
@@ -375,7 +384,9 @@ def render(res: dict) -> str:
     for task, t in res["tasks"].items():
         for stage, r in t["ours"].items():
             m = r["marks"]
-            parts = []
+            parts = [f"{k} {v:.0f} s" for k, v in r.get("phases", {}).items()]
+            if parts:
+                m = {}   # a split 2-epoch process: its marks span both epochs
             if "setup_done" in m:
                 parts.append(f"start-up, data, models{', teacher cache' if 'cache_start' in m else ''}"
                              f" {m['setup_done']:.0f} s")
@@ -384,7 +395,7 @@ def render(res: dict) -> str:
             end_train = m.get("last_eval", m.get("last_step"))
             if end_train and "first_step" in m:
                 parts.append(f"steps + eval {end_train - m['first_step']:.0f} s")
-            if end_train:
+            if end_train and "first_step" in m:
                 parts.append(f"checkpoint, export, exit {r['wall_s'] - end_train:.0f} s")
             lines.append(f"- {task} {stage}: {r['wall_s']:.0f} s wall ({r.get('cpu_s', 0):.0f} "
                          "CPU-s) = " + ", ".join(parts)

@@ -70,3 +70,20 @@ def test_two_epoch_run_splits_at_the_logged_step_times():
     assert epoch._time_at_step(marks, 75) == pytest.approx(52.5)  # interpolated
     with pytest.raises(ValueError, match="outside"):
         epoch._time_at_step(marks, 250)
+
+
+def test_split_epochs_have_their_own_phases():
+    marks = [(1, 30.0), (50, 40.0), (100, 65.0), (150, 80.0), (200, 95.0)]
+    r = {"wall_s": 107.0, "cpu_s": 214.0, "steps": 200, "step_marks": marks,
+         "marks": {"setup_done": 20.0, "cache_start": 5.0, "first_step": 30.0, "last_step": 95.0},
+         "load_before": 1.0, "load_after": 1.0}
+    first, later = epoch.split_epochs(r)
+    assert sum(first["phases"].values()) == pytest.approx(first["wall_s"])
+    assert first["phases"]["final checkpoint, export, exit"] == pytest.approx(12.0)
+    res = _result()
+    res["tasks"]["sst2"]["ours"].update(intermediate=first, intermediate_later=later)
+    table = epoch.render(res)
+    line = next(x for x in table.splitlines() if x.startswith("- sst2 intermediate_later"))
+    assert line.endswith("= steps 101-200 30 s (load 1.0 -> 1.0)")
+    line = next(x for x in table.splitlines() if x.startswith("- sst2 intermediate:"))
+    assert "teacher cache 20 s" in line and "final checkpoint, export, exit 12 s" in line
