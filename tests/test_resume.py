@@ -197,11 +197,11 @@ def test_sigterm_through_the_cli_stops_within_a_step_and_exits_143(setup, tmp_pa
 
 @pytest.mark.timeout(600)
 def test_intermediate_run_with_teacher_cache_resumes_on_the_same_cache(setup, tmp_path):
-    """40 steps over 256 rows (32 a epoch): the run caches the teacher's attention logits and
+    """34 steps over 256 rows (32 an epoch): the run caches the teacher's attention logits and
     hidden states first. Preempted after step 10 and rerun, it reuses that cache (no second
     build record) and ends exactly where the unbroken run does; both delete it at the end."""
     teacher, cache = setup
-    steps = 40
+    steps = 34
     args = lambda wd: T.train_args(wd, teacher, steps=steps, extra=(  # noqa: E731
         "--config.teacher.cache_dtype=float32",))
     straight = tmp_path / "straight"

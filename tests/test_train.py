@@ -227,7 +227,7 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
 
     teacher = tiny_run.tiny_teacher(tmp_path / "teacher")
 
-    def run(name, steps, **teacher_cfg):
+    def cfg(steps, **teacher_cfg):
         c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
         c.data.synthetic_train, c.data.max_len, c.data.buckets = 64, 32, (16, 32)
         c.teacher.path = teacher
@@ -236,29 +236,42 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
                          intermediate_size=32, num_attention_heads=4)
         c.train.update(batch_size=16, num_steps=steps, log_every=1, checkpoint_every=1000)
         c.export.enabled = False
-        summary = train.train_and_evaluate(c, str(tmp_path / name))
+        return c
+
+    def run(name, steps, **teacher_cfg):
+        summary = train.train_and_evaluate(cfg(steps, **teacher_cfg), str(tmp_path / name))
         losses = [r["train/loss"] for r in _records(tmp_path / name, "train")]
         built = _records(tmp_path / name, "teacher_cache")
         # A finished run deletes its per-token cache (GBs only a resumed run would read).
         assert not (tmp_path / name / "cache" / "teacher").exists()
         return summary, np.asarray(losses), built[0]["teacher_cache/bytes"] if built else 0
 
-    _, live, live_cached = run("live", 10, cache_tokens="never")
-    _, f32, f32_cached = run("f32", 10, cache_dtype="float32")           # auto: 10 > 1 epoch
-    _, f16, f16_cached = run("f16", 10)                                   # default float16
-    _, _, once_cached = run("once", 3)                                    # under an epoch
-    assert live_cached == once_cached == 0 and f32_cached > 0
+    # 64 rows in buckets of 16 rows: 4 steps an epoch, so 6 steps read rows twice.
+    _, live, live_cached = run("live", 6, cache_tokens="never")
+    _, f32, f32_cached = run("f32", 6, cache_dtype="float32")            # auto: 6 > 1 epoch
+    _, f16, f16_cached = run("f16", 6)                                    # default float16
+    assert live_cached == 0 and f32_cached > 0
     assert f16_cached == pytest.approx(f32_cached / 2, rel=0.01)   # float16: half the bytes
-    assert len(live) == len(f32) == 10 and live[-1] < live[0]
+    assert len(live) == len(f32) == 6 and live[-1] < live[0]
     np.testing.assert_allclose(f32, live, rtol=1e-5)
     np.testing.assert_allclose(f16, live, rtol=2e-3)
-    # Over its size limit: 'auto' keeps the live teacher (same losses), 'always' refuses.
-    _, capped, capped_cached = run("capped", 10, cache_max_gb=1e-6)
-    assert capped_cached == 0
-    np.testing.assert_allclose(capped, live, rtol=1e-6)
+    # A finished run rerun in place does not build the cache again just to do nothing.
+    again, _, _ = run("f32", 6, cache_dtype="float32")
+    assert again["steps"] == 6 and len(_records(tmp_path / "f32", "teacher_cache")) == 1
+
+    # When (the plan, without training): not for one epoch or less; over the size limit 'auto'
+    # keeps the live teacher and 'always' refuses with a one-line error.
+    def plan(steps, **teacher_cfg):
+        c = build.with_defaults(cfg(steps, **teacher_cfg))
+        data = build.build_data(c, str(tmp_path / "plan"), build.resolve_model_path(teacher))
+        models = build.build_models(c, data.num_labels, data.id2label)
+        obj = build.build_objective(c, models.student_config, models.teacher_config)
+        return build.token_cache_plan(c, obj, data, steps, str(tmp_path / "plan"))
+
+    assert plan(4) == (False, "4 steps read each row at most once (an epoch is 4 steps)")
+    assert plan(5)[0] and plan(4, cache_tokens="always")[0]
+    use, why = plan(6, cache_max_gb=1e-6)
+    assert not use and why.endswith("the teacher runs in every step")
     with pytest.raises(train.ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
                        r"over min\(teacher.cache_max_gb=1e-06 GB"):
-        run("refused", 10, cache_tokens="always", cache_max_gb=1e-6)
-    # A finished run rerun in place does not build the cache again just to do nothing.
-    again, _, _ = run("f32", 10, cache_dtype="float32")
-    assert again["steps"] == 10 and len(_records(tmp_path / "f32", "teacher_cache")) == 1
+        plan(6, cache_tokens="always", cache_max_gb=1e-6)
