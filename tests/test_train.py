@@ -246,7 +246,7 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
         assert not (tmp_path / name / "cache" / "teacher").exists()
         return summary, np.asarray(losses), built[0]["teacher_cache/bytes"] if built else 0
 
-    # 64 rows in buckets of 16 rows: 4 steps an epoch, so 6 steps read rows twice.
+    # 64 rows, batches of 16 in two buckets: at most 4 steps an epoch, so 6 steps read rows twice.
     _, live, live_cached = run("live", 6, cache_tokens="never")
     _, f32, f32_cached = run("f32", 6, cache_dtype="float32")            # auto: 6 > 1 epoch
     _, f16, f16_cached = run("f16", 6)                                    # default float16
@@ -266,11 +266,14 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
         data = build.build_data(c, str(tmp_path / "plan"), build.resolve_model_path(teacher))
         models = build.build_models(c, data.num_labels, data.id2label)
         obj = build.build_objective(c, models.student_config, models.teacher_config)
-        return build.token_cache_plan(c, obj, data, steps, str(tmp_path / "plan"))
+        return (build.token_cache_plan(c, obj, data, steps, str(tmp_path / "plan")),
+                data.train_batches.steps_per_epoch)
 
-    assert plan(4) == (False, "4 steps read each row at most once (an epoch is 4 steps)")
-    assert plan(5)[0] and plan(4, cache_tokens="always")[0]
-    use, why = plan(6, cache_max_gb=1e-6)
+    spe = plan(1)[1]
+    assert plan(spe)[0] == (False, f"{spe} steps read each row at most once (an epoch is {spe} "
+                            "steps)")
+    assert plan(spe + 1)[0][0] and plan(spe, cache_tokens="always")[0][0]
+    (use, why), _ = plan(6, cache_max_gb=1e-6)
     assert not use and why.endswith("the teacher runs in every step")
     with pytest.raises(train.ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
                        r"over min\(teacher.cache_max_gb=1e-06 GB"):
