@@ -234,7 +234,8 @@ class Objective:
         """Returns (total loss scalar, dict of unweighted scalar terms)."""
         proj = proj or {}
         if (self.needs_teacher and t_out is None and not self.teacher_cacheable
-                and not (self.teacher_token_cacheable and CACHED_TOKEN_KEYS[1] in batch)):
+                and not (self.teacher_token_cacheable
+                         and any(k in batch for k in CACHED_TOKEN_KEYS))):
             raise ValueError(f"objective '{self.name}' needs the teacher's outputs (t_out)")
         return self.loss(proj, s_out, t_out, batch)
 
@@ -292,6 +293,13 @@ class TinyBertIntermediate(Objective):
         self._layer_weights = lw or (1.0,) * (M + 1)
         self._setup_projection([s for s, _ in self._hidden_pairs])
         self.teacher_hidden_layers = tuple(sorted({t for _, t in self._hidden_pairs}))
+
+    @property
+    def token_cache_fields(self) -> Tuple[str, ...]:
+        """The per-token fields `teacher_features` returns (those some layer pair reads)."""
+        return tuple(k for k, layers in zip(CACHED_TOKEN_KEYS, (self.teacher_attention_layers,
+                                                                self.teacher_hidden_layers))
+                     if layers)
 
     def teacher_features(self, t_out) -> Dict[str, Array]:
         """What a teacher cache stores per example: teacher_attn [b, K_a, H, T, T] (the attention

@@ -16,12 +16,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_tinybert import sharding as shd
+from jax_tinybert.objectives import CACHED_TOKEN_KEYS
 from jax_tinybert.train_state import TrainState
 
 Array = jax.Array
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 # A batch carrying any of these has its teacher outputs from the teacher cache.
-CACHED_KEYS = ("teacher_logits", "teacher_cls", "teacher_attn", "teacher_hidden")
+CACHED_KEYS = ("teacher_logits", "teacher_cls") + CACHED_TOKEN_KEYS
 
 
 def _apply(model: nn.Module, params, batch, *, deterministic: bool, attention_logits, rng):

@@ -458,7 +458,7 @@ def token_cache_bytes(obj, seq_lens: np.ndarray, dtype: str = "float16") -> int:
     tc = obj.teacher_config
     T = np.asarray(seq_lens, np.int64)
     ka = len(obj.teacher_attention_layers) * tc.num_attention_heads
-    kh = len(getattr(obj, "teacher_hidden_layers", ())) * tc.hidden_size
+    kh = len(obj.teacher_hidden_layers) * tc.hidden_size
     return int(np.dtype(dtype).itemsize * np.sum(ka * T * T + kh * T))
 
 
@@ -493,13 +493,11 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     token_fields: Tuple[str, ...] = ()
     attn_layers: Tuple[int, ...] = ()
     if token_dtype:
-        probe = {"teacher_attn": obj.teacher_attention_layers,
-                 "teacher_hidden": getattr(obj, "teacher_hidden_layers", ())}
-        token_fields = tuple(k for k, v in probe.items() if v)
+        token_fields = obj.token_cache_fields
         attn_layers = tuple(obj.teacher_attention_layers)
         # A row's length is its bucket's: other buckets need another cache.
         fingerprint.update(buckets=list(buckets), token_dtype=str(token_dtype),
-                           hidden_layers=list(probe["teacher_hidden"]),
+                           hidden_layers=list(obj.teacher_hidden_layers),
                            attention_layers=list(attn_layers))
     rows = _rows_read(data.train_batches, ds, num_steps)
     if rows is not None:

@@ -421,3 +421,34 @@ def test_intermediate_cache_damage_and_other_buckets_rebuild(tmp_path, small, ca
         c3 = tc.build_for_training(models, obj, mk((32,)), str(tmp_path), num_steps=8,
                                    token_dtype="float16")
     assert c3.build_stats is not None and "checksum mismatch" in caplog.text
+
+
+def test_attention_only_objective_trains_from_the_cache(tmp_path, small):
+    """w_hidn = w_embd = 0: only teacher_attn is cached, and the loss accepts a batch carrying
+    it alone (the check once looked for teacher_hidden only)."""
+    from jax_tinybert import objectives
+
+    t_cfg = small.model.config
+    s_cfg = t_cfg.replace(num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+    obj = objectives.make_objective("tinybert_intermediate",
+                                    {"mode": "masked", "w_hidn": 0.0, "w_embd": 0.0}, s_cfg, t_cfg)
+    assert obj.token_cache_fields == ("teacher_attn",)
+    models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
+                                   teacher_config=t_cfg, tokenizer_dir=_TOKENIZER_DIR())
+    data = types.SimpleNamespace(train_dataset=small.ds, train_batches=BucketedBatcher(
+        small.ds, 8, (32,), train=True, seed=0, process_index=0, process_count=1))
+    cache = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=4,
+                                  token_dtype="float32")
+    assert set(cache.token_fields) == {"teacher_attn"}
+    student = BertForSequenceClassification(s_cfg)
+    sp = init_params(student, jax.random.PRNGKey(1))
+    b = next(iter(data.train_batches))
+    s_out = student.apply({"params": sp}, b["input_ids"], b["attention_mask"], b["token_type_ids"],
+                          attention_logits=(1,))
+    live = small.model.apply({"params": small.params}, b["input_ids"], b["attention_mask"],
+                             b["token_type_ids"], attention_logits=(2,))
+    feed = {k: jnp.asarray(v) for k, v in b.items() if k != "example_id"}
+    want, _ = obj({}, s_out, live, feed)
+    got, terms = obj({}, s_out, None, {**feed, **cache.lookup(b["example_id"], seq_len=32)})
+    assert set(terms) == {"attn", "attn/1"}
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
