@@ -165,11 +165,14 @@ def run_ours(args, task: str, root: str) -> Dict[str, dict]:
             _report("intermediate", out["intermediate"])
         else:
             # One 2-epoch process, as a user's 10-20 epoch run is one process: it caches the
-            # teacher's per-token outputs first (teacher.cache_tokens=auto), so every later epoch
-            # runs without the teacher. Split by the logged step times: 1st epoch = everything up
-            # to step `spe` plus the one-time tail (final checkpoint, export); later = the rest.
+            # teacher's per-token outputs first (cache_tokens=always: 'auto' caches runs of 3+
+            # epochs, which this one stands for), so every later epoch runs without the teacher.
+            # Split by the logged step times: 1st epoch = everything up to step `spe` plus the
+            # one-time tail (final checkpoint, export); later = the rest.
             ov2 = [o for o in ov if not o.startswith("--config.train.num_epochs")] + [
                 "--config.train.num_epochs=2"]
+            if not any("teacher.cache_tokens" in o for o in ov2):   # --override wins
+                ov2.append("--config.teacher.cache_tokens=always")
             r = run_cli(f"configs/task_distill.py:{task}_intermediate", inter, ov2,
                         os.path.join(root, "intermediate.log"))
             first, later = split_epochs(r)

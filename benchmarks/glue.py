@@ -299,6 +299,7 @@ CPU = dict(
     # The intermediate stage's student -> teacher layer map (a name of layer_maps.NAMES or
     # explicit pairs, --layer_map) and the teacher layers the students start from (--init_layers).
     inter_layer_map="uniform")
+CPU_TEACHER_LAYERS = 6   # the packaged all-MiniLM-L6-v2
 CPU_ROWS = ("teacher", "tinybert", "tinybert+da", "pkd", "kd", "labels-only", "majority")
 
 
@@ -738,6 +739,19 @@ def main(argv=None) -> str:
     except ValueError:
         ap.error(f"--init_layers {args.init_layers!r}: expected comma-separated layer numbers, "
                  "e.g. 2,4,6")
+    # Checked now, not an hour in when the intermediate stage starts. The cpu budget's teacher is
+    # the packaged MiniLM: 6 layers.
+    bad = [x for x in args.init_layers if not 1 <= x <= CPU_TEACHER_LAYERS]
+    if bad:
+        ap.error(f"--init_layers: layer {bad[0]} is not a teacher layer (the packaged MiniLM has "
+                 f"layers 1..{CPU_TEACHER_LAYERS})")
+    if args.layer_map:
+        from jax_tinybert import layer_maps
+        try:
+            layer_maps.from_spec(args.layer_map,
+                                 len(args.init_layers or CPU["init_layers"]), CPU_TEACHER_LAYERS)
+        except layer_maps.LayerMapError as e:
+            ap.error(f"--layer_map: {e}")
     args.glue_dir = os.path.abspath(args.glue_dir)
     args.corpus = os.path.abspath(args.corpus)
     args.workdir = os.path.abspath(args.workdir or f"/tmp/jax_tinybert_glue_{args.budget}")

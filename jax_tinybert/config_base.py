@@ -51,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
         dropout=False,           # True reproduces the official code (teacher left in train mode)
         cache=True,              # pred/kd/pkd stages: precompute teacher outputs once
         # Intermediate stage: cache the teacher's attention logits + hidden states (large):
-        # auto = when the run reads its rows more than once, always, never.
+        # auto = runs of more than 2 epochs (build.AUTO_CACHE_EPOCHS), always, never.
         cache_tokens="auto",
         cache_dtype="float16",   # of the per-token cache: float16 (half the disk) | float32 (exact)
         cache_max_gb=32.0,       # auto/always: the per-token cache's size limit

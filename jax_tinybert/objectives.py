@@ -120,7 +120,7 @@ class Objective:
     needs_teacher: bool = True
     teacher_cacheable: bool = False
     # Per-token teacher outputs (attention logits, hidden states): cacheable too, but large, so
-    # cached only when a run reads its data more than once (config.teacher.cache_tokens).
+    # cached only for runs of more than two epochs (config.teacher.cache_tokens).
     teacher_token_cacheable: bool = False
     compares_logits: ClassVar[bool] = False
 

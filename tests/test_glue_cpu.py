@@ -62,13 +62,16 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     assert glue_bench._parse_lr(ap, "teacher=1e-4, pred=3e-5") == {"teacher": 1e-4, "pred": 3e-5}
     assert glue_bench._parse_lr(ap, "") == {}
     recipe = {"teacher_epochs": 5.0, "student_epochs": 4.0,
-              "lr": {**glue_bench.CPU["lr"], "teacher": 1e-4}}
+              "lr": {**glue_bench.CPU["lr"], "teacher": 1e-4}, "init_layers": [2, 4, 6],
+              "layer_map": "uniform"}
     res = {"recipe": recipe, "teacher": _summary(0.8, 10, 5.0, "t")}
     rows = glue_bench.cpu_rows(types.SimpleNamespace(glue_dir=str(glue_dir)), "mrpc", res)
     assert rows[0]["model"] == "teacher" and rows[0]["recipe"]["lr"]["teacher"] == 1e-4
     table = glue_bench.cpu_table(rows, {"mrpc": res})
     assert 'teacher 5.00 epochs, student stages 4.00 epochs each' in table
     assert '"teacher": 0.0001' in table
+    assert "students initialised from teacher layers [2, 4, 6], intermediate layer map uniform" \
+        in table
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -77,6 +80,9 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     (["--tasks", "mrpc", "--lr", "teachr=1e-4"], "stage 'teachr' is not one of teacher,"),
     (["--tasks", "mrpc", "--lr", "teacher=fast"], "'fast' is not a number"),
     (["--tasks", "mrpc", "--lr", "teacher=0"], "must be > 0"),
+    (["--tasks", "mrpc", "--init_layers", "2,four,6"], "expected comma-separated layer numbers"),
+    (["--tasks", "mrpc", "--init_layers", "2,4,7"], "layer 7 is not a teacher layer"),
+    (["--tasks", "mrpc", "--layer_map", "1:1,2:2,4:6"], "names student layer 4"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, glue_dir, argv, msg):
     p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"), "--budget",

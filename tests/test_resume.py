@@ -197,13 +197,13 @@ def test_sigterm_through_the_cli_stops_within_a_step_and_exits_143(setup, tmp_pa
 
 @pytest.mark.timeout(600)
 def test_intermediate_run_with_teacher_cache_resumes_on_the_same_cache(setup, tmp_path):
-    """34 steps over 256 rows (32 an epoch): the run caches the teacher's attention logits and
-    hidden states first. Preempted after step 10 and rerun, it reuses that cache (no second
+    """34 steps over 256 rows (32 an epoch), cache_tokens=always: the run caches the teacher's
+    attention logits and hidden states first. Preempted after step 10 and rerun, it reuses that cache (no second
     build record) and ends exactly where the unbroken run does; both delete it at the end."""
     teacher, cache = setup
     steps = 34
     args = lambda wd: T.train_args(wd, teacher, steps=steps, extra=(  # noqa: E731
-        "--config.teacher.cache_dtype=float32",))
+        "--config.teacher.cache_dtype=float32", "--config.teacher.cache_tokens=always"))
     straight = tmp_path / "straight"
     res = _run(args(straight), _env(cache))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

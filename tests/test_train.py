@@ -220,8 +220,8 @@ def test_task_configs_choose_buckets_from_the_data(tmp_path, glue_dir, teacher_d
 # --------------------------------------------------------------------------- intermediate cache
 
 def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
-    """Runs reading their rows more than once cache the teacher's attention logits and hidden
-    states (teacher.cache_tokens='auto'): the same losses as the live teacher, step by step."""
+    """Runs of more than two epochs cache the teacher's attention logits and hidden states
+    (teacher.cache_tokens='auto'): the same losses as the live teacher, step by step."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from helpers import tiny_run
 
@@ -246,20 +246,20 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
         assert not (tmp_path / name / "cache" / "teacher").exists()
         return summary, np.asarray(losses), built[0]["teacher_cache/bytes"] if built else 0
 
-    # 64 rows, batches of 16 in two buckets: at most 4 steps an epoch, so 6 steps read rows twice.
-    _, live, live_cached = run("live", 6, cache_tokens="never")
-    _, f32, f32_cached = run("f32", 6, cache_dtype="float32")            # auto: 6 > 1 epoch
-    _, f16, f16_cached = run("f16", 6)                                    # default float16
+    # 64 rows, batches of 16 in two buckets: 3 steps an epoch, so 7 steps are over 2 epochs.
+    _, live, live_cached = run("live", 7, cache_tokens="never")
+    _, f32, f32_cached = run("f32", 7, cache_dtype="float32")            # auto: 7 > 2 epochs
+    _, f16, f16_cached = run("f16", 7)                                    # default float16
     assert live_cached == 0 and f32_cached > 0
     assert f16_cached == pytest.approx(f32_cached / 2, rel=0.01)   # float16: half the bytes
-    assert len(live) == len(f32) == 6 and live[-1] < live[0]
+    assert len(live) == len(f32) == 7 and live[-1] < live[0]
     np.testing.assert_allclose(f32, live, rtol=1e-5)
     np.testing.assert_allclose(f16, live, rtol=2e-3)
     # A finished run rerun in place does not build the cache again just to do nothing.
-    again, _, _ = run("f32", 6, cache_dtype="float32")
-    assert again["steps"] == 6 and len(_records(tmp_path / "f32", "teacher_cache")) == 1
+    again, _, _ = run("f32", 7, cache_dtype="float32")
+    assert again["steps"] == 7 and len(_records(tmp_path / "f32", "teacher_cache")) == 1
 
-    # When (the plan, without training): not for one epoch or less; over the size limit 'auto'
+    # When (the plan, without training): not for two epochs or less; over the size limit 'auto'
     # keeps the live teacher and 'always' refuses with a one-line error.
     def plan(steps, **teacher_cfg):
         c = build.with_defaults(cfg(steps, **teacher_cfg))
@@ -270,10 +270,11 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
                 data.train_batches.steps_per_epoch)
 
     spe = plan(1)[1]
-    assert plan(spe)[0] == (False, f"{spe} steps read each row at most once (an epoch is {spe} "
-                            "steps)")
-    assert plan(spe + 1)[0][0] and plan(spe, cache_tokens="always")[0][0]
-    (use, why), _ = plan(6, cache_max_gb=1e-6)
+    assert spe == 3, "the comment above and the step counts assume 3 steps an epoch"
+    assert plan(2 * spe)[0] == (False, f"{2 * spe} steps are at most 2 epochs of {spe} steps: "
+                                "building the cache would not pay back")
+    assert plan(2 * spe + 1)[0][0] and plan(spe, cache_tokens="always")[0][0]
+    (use, why), _ = plan(7, cache_max_gb=1e-6)
     assert not use and why.endswith("the teacher runs in every step")
     with pytest.raises(train.ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
                        r"over min\(teacher.cache_max_gb=1e-06 GB"):
