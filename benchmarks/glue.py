@@ -328,7 +328,7 @@ def _cpu_common(args, task: str, epochs: float, lr: float) -> dict:
 
 def _student_init(args, teacher_export: str) -> dict:
     return {"teacher.path": teacher_export, "student.init": "teacher_layers",
-            "student.teacher_layers": tuple(args.init_layers or CPU["init_layers"])}
+            "student.teacher_layers": args.init_layers}
 
 
 def da_n(student_epochs: float, text_cols: int) -> int:
@@ -396,10 +396,9 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     print(f"[glue cpu] {spec.dir_name}: {n} train rows; teacher {te:.2f} epochs, student stages "
           f"{se:.2f} epochs each", flush=True)
     lr = {**CPU["lr"], **CPU["task_lr"].get(task, {}), **args.lr}
-    init_layers = tuple(args.init_layers or CPU["init_layers"])
-    layer_map = args.layer_map or CPU["inter_layer_map"]
     res: Dict[str, dict] = {"recipe": {"teacher_epochs": te, "student_epochs": se, "lr": lr,
-                                       "init_layers": list(init_layers), "layer_map": layer_map}}
+                                       "init_layers": list(args.init_layers),
+                                       "layer_map": args.layer_map}}
     c = _load_config("finetune_teacher", task)
     res["teacher"] = _run(_set(c, {**_cpu_common(args, task, te, lr["teacher"]),
                                    "teacher.path": "packaged"}), os.path.join(tdir, "teacher"))
@@ -408,7 +407,8 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     def tinybert(suffix: str, train_file: str = ""):
         c = _load_config("task_distill", f"{task}_intermediate")
         o = {**_cpu_common(args, task, se, lr["inter"]), **init,
-             "objective.projection": CPU["inter_projection"], "objective.layer_map": layer_map}
+             "objective.projection": CPU["inter_projection"],
+             "objective.layer_map": args.layer_map}
         # With DA: one epoch of the augmented set (sized by da_n to about the no-DA stage's
         # examples): every augmented row read once, about equal compute.
         da = {"data.train_file": train_file, "data.train_subset": 0, "train.num_epochs": 1.0}
@@ -735,7 +735,8 @@ def main(argv=None) -> str:
     args = ap.parse_args(argv)
     args.lr = _parse_lr(ap, args.lr)
     try:
-        args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip())
+        args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip()) \
+            or CPU["init_layers"]
     except ValueError:
         ap.error(f"--init_layers {args.init_layers!r}: expected comma-separated layer numbers, "
                  "e.g. 2,4,6")
@@ -745,13 +746,12 @@ def main(argv=None) -> str:
     if bad:
         ap.error(f"--init_layers: layer {bad[0]} is not a teacher layer (the packaged MiniLM has "
                  f"layers 1..{CPU_TEACHER_LAYERS})")
-    if args.layer_map:
-        from jax_tinybert import layer_maps
-        try:
-            layer_maps.from_spec(args.layer_map,
-                                 len(args.init_layers or CPU["init_layers"]), CPU_TEACHER_LAYERS)
-        except layer_maps.LayerMapError as e:
-            ap.error(f"--layer_map: {e}")
+    args.layer_map = args.layer_map or CPU["inter_layer_map"]
+    from jax_tinybert import layer_maps
+    try:
+        layer_maps.from_spec(args.layer_map, len(args.init_layers), CPU_TEACHER_LAYERS)
+    except layer_maps.LayerMapError as e:
+        ap.error(f"--layer_map: {e}")
     args.glue_dir = os.path.abspath(args.glue_dir)
     args.corpus = os.path.abspath(args.corpus)
     args.workdir = os.path.abspath(args.workdir or f"/tmp/jax_tinybert_glue_{args.budget}")

@@ -389,8 +389,8 @@ def token_cache_plan(config, objective: objectives.Objective, data: Data, total:
     """Whether this run caches the teacher's per-token outputs (intermediate stage), and why.
 
     teacher.cache_tokens: 'auto' caches when the run is longer than AUTO_CACHE_EPOCHS epochs
-    (total > 2 x steps_per_epoch: the teacher forward of every later epoch is saved, which pays
-    for the build from the third epoch on) and the cache fits teacher.cache_max_gb and 80% of the
+    (total > AUTO_CACHE_EPOCHS x steps_per_epoch: the teacher forward of every later epoch is
+    saved, which pays for the build from the third epoch on) and the cache fits teacher.cache_max_gb and 80% of the
     free disk; 'always' whenever it fits; 'never'.
     """
     mode = config.teacher.cache_tokens

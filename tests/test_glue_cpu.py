@@ -99,3 +99,38 @@ def test_da_sized_to_one_augmented_epoch_of_about_the_no_da_examples(glue_bench)
     # SST-2 single sentences, 1 epoch: at least one augmented sentence each (2 n rows).
     assert glue_bench.da_n(1.0, 1) == 1
     assert glue_bench.da_n(10.0, 1) == 9 and glue_bench.da_n(10.0, 2) == 4
+
+
+def _stage_configs(glue_bench, monkeypatch, tmp_path, glue_dir, *argv):
+    """(parsed args, {stage dir name: config}) of a budget-cpu MRPC run, stages not trained."""
+    seen = {}
+    monkeypatch.setattr(glue_bench, "main_cpu", lambda args, tasks: seen.setdefault("args", args))
+    glue_bench.main(["--budget", "cpu", "--tasks", "mrpc", "--glue_dir", str(glue_dir),
+                     "--workdir", str(tmp_path), "--no_compile_cache",
+                     "--rows", "tinybert,pkd,kd,labels-only", *argv])
+    cfgs = {}
+
+    def fake_run(cfg, workdir):
+        cfgs[os.path.basename(workdir)] = cfg
+        return _summary(0.8, 1, 1.0, os.path.join(workdir, "export"))
+
+    monkeypatch.setattr(glue_bench, "_run", fake_run)
+    glue_bench.run_task_cpu(seen["args"], "mrpc")
+    return seen["args"], cfgs
+
+
+def test_recipe_defaults_and_flags_reach_every_stage(glue_bench, monkeypatch, tmp_path, glue_dir):
+    _, c = _stage_configs(glue_bench, monkeypatch, tmp_path / "a", glue_dir)
+    assert set(c) == {"teacher", "inter", "pred", "pkd", "kd", "labels"}
+    assert c["teacher"].optim.learning_rate == 1e-4          # MRPC's own teacher lr
+    for s in ("inter", "pkd", "kd", "labels"):               # every student: layers 2, 4, 6
+        assert c[s].student.init == "teacher_layers" and tuple(c[s].student.teacher_layers) == (2, 4, 6)
+        assert c[s].optim.learning_rate == 5e-5
+    assert c["inter"].objective.layer_map == "uniform" and c["inter"].objective.projection == "none"
+    assert c["pred"].student.path.endswith(os.path.join("inter", "export"))
+
+    _, c = _stage_configs(glue_bench, monkeypatch, tmp_path / "b", glue_dir, "--init_layers",
+                          "1,2,3", "--layer_map", "1:1,2:2,3:6", "--lr", "teacher=2e-5")
+    assert c["teacher"].optim.learning_rate == 2e-5          # --lr wins over the task default
+    assert tuple(c["kd"].student.teacher_layers) == (1, 2, 3)
+    assert c["inter"].objective.layer_map == "1:1,2:2,3:6"
