@@ -32,7 +32,7 @@ import optax
 from jax_tinybert import config_base, fs, objectives, optim
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
-from jax_tinybert import teacher_cache
+from jax_tinybert import teacher_cache, teacher_store
 from jax_tinybert.config_check import ConfigValueError
 from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
 from jax_tinybert.hf import bert_params, load_pretrained
@@ -436,7 +436,7 @@ def build_run(config, workdir: str) -> Run:
     cache, builder = None, None
     if uses_teacher_cache(config, obj):
         cache = teacher_cache.build_for_training(models, obj, data, workdir, mesh,
-                                                 num_steps=total)
+                                                 num_steps=total, store=teacher_store.from_env())
     else:
         tokens, why = token_cache_plan(config, obj, data, total, workdir)
         if obj.teacher_token_cacheable and config.teacher.cache_tokens != "never":
@@ -444,7 +444,7 @@ def build_run(config, workdir: str) -> Run:
         if tokens:
             builder = lambda: teacher_cache.build_for_training(  # noqa: E731
                 models, obj, data, workdir, mesh, num_steps=total,
-                token_dtype=config.teacher.cache_dtype)
+                token_dtype=config.teacher.cache_dtype, store=teacher_store.from_env())
     cached = cache is not None or builder is not None
     teacher = models.teacher if teacher_in_step(config, obj) and not cached else None
     step = build_step(config, student=models.student, teacher=teacher, objective=obj,

@@ -464,7 +464,7 @@ def token_cache_bytes(obj, seq_lens: np.ndarray, dtype: str = "float16") -> int:
 
 def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: int = 64,
                        num_steps: Optional[int] = None,
-                       token_dtype: Optional[str] = None) -> TeacherCache:
+                       token_dtype: Optional[str] = None, store=None) -> TeacherCache:
     """The cache for a training run (called by `train.train_and_evaluate`).
 
     Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
@@ -474,7 +474,10 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     builds its own copy (under `cache/teacher_p<i>` when there are several): no collective is
     involved, and the workdir need not be shared. token_dtype (float16 | float32): cache the
     objective's per-token features (intermediate stage: attention logits, hidden states), each
-    row at its bucket length, in that dtype.
+    row at its bucket length, in that dtype. store: a `teacher_store.Store` (or None): an
+    entry there that covers the rows is copied in instead of running the teacher, and what
+    this build computes per example (logits, [CLS] vectors; not the per-token fields) is
+    published to it for later runs.
     """
     ds = data.train_dataset
     n = len(ds)
@@ -518,10 +521,43 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
                 batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)
             yield batch
 
-    forward = make_forward(models.teacher, obj.teacher_features, attention_layers=attn_layers)
-    return build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
-                         num_rows=None if rows is None else len(rows),
-                         token_fields=token_fields, token_dtype=token_dtype or "float32")
+    features = obj.teacher_features
+    if token_fields:
+        # The logits cost one pooler + classifier on the forward that runs anyway: stored so the
+        # prediction stage after this one (same teacher, same data) reads them from the store.
+        def features(out):
+            return dict(obj.teacher_features(out), teacher_logits=out.logits)
+    forward = make_forward(models.teacher, features, attention_layers=attn_layers)
+    # What the per-example outputs depend on, whichever objective asks: the logits-only entry of
+    # an intermediate build is the one a prediction or KD run looks for.
+    share_fp = dict(fingerprint, layers=[] if token_fields else fingerprint["layers"],
+                    num_examples=n)
+    if store is not None and not token_fields and not _is_current(path, fingerprint, n):
+        entry = store.find(share_fp, rows)
+        if entry is not None:
+            log.info("teacher cache: teacher outputs of %d examples from the teacher store %s "
+                     "(computed by an earlier run with the same teacher and data; "
+                     "JTB_TEACHER_STORE=off to recompute)", int(np.sum(entry.filled)), entry.path)
+            return store.adopt(entry, path, fingerprint)
+    cache = build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
+                          num_rows=None if rows is None else len(rows),
+                          token_fields=token_fields, token_dtype=token_dtype or "float32")
+    if store is not None and cache.build_stats is not None:
+        store.publish(cache, share_fp, fields=["teacher_logits"] if token_fields else None)
+    if token_fields:
+        # The intermediate loss reads the per-token fields only: its batches get nothing else.
+        cache.fields = {k: v for k, v in cache.fields.items() if k != "teacher_logits"}
+    return cache
+
+
+def _is_current(path: str, fingerprint: Mapping[str, Any], num_examples: int) -> bool:
+    """Whether the workdir cache at `path` is already the one for `fingerprint` (meta only)."""
+    try:
+        with fs.open_file(fs.join(path, META)) as fh:
+            old = json.load(fh).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return old == _normalise(dict(fingerprint, num_examples=int(num_examples)))
 
 
 def _rows_read(batcher, ds, num_steps: Optional[int]) -> Optional[np.ndarray]:

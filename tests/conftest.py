@@ -22,6 +22,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+# Teacher outputs shared between runs (jax_tinybert/teacher_store.py): one new empty store for
+# the session and its subprocesses, never the user's ~/.cache.
+_OWN_TEACHER_STORE = None
+if "JTB_TEACHER_STORE" not in os.environ:
+    _OWN_TEACHER_STORE = tempfile.mkdtemp(prefix="jtb-test-teacher-store-")
+    os.environ["JTB_TEACHER_STORE"] = _OWN_TEACHER_STORE
+
 
 # `make test` runs the suite on pytest-xdist workers (`-n auto --dist loadfile`): one worker per
 # core, each pinned to its own core. Unpinned, every worker's XLA, torch and tokenizer thread pools
@@ -39,9 +46,9 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
 # long ones start at once and the tail is made of short files (longest-processing-time-first
 # scheduling); files not listed keep their order after these. Only the order changes.
 LONGEST_FIRST = (
-    "test_train.py", "test_readme.py", "test_benchmarks_e2e.py", "test_multiprocess.py",
-    "test_cli.py", "test_resume.py", "test_benchmarks.py", "test_launch.py", "test_step.py",
-    "test_gcs_workdir.py", "test_plan.py", "test_checkpoints.py", "test_sst2_epoch_bench.py",
+    "test_train_sst2.py", "test_readme.py", "test_benchmarks_e2e.py", "test_multiprocess.py",
+    "test_cli.py", "test_resume.py", "test_train.py", "test_benchmarks.py", "test_launch.py",
+    "test_step.py", "test_gcs_workdir.py", "test_plan.py", "test_checkpoints.py", "test_sst2_epoch_bench.py",
 )
 
 
@@ -51,8 +58,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_unconfigure(config):
-    if _OWN_XLA_CACHE:
-        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
+    for own in (_OWN_XLA_CACHE, _OWN_TEACHER_STORE):
+        if own:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def _shared() -> pathlib.Path:
