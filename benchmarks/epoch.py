@@ -197,10 +197,14 @@ def run_ours(args, task: str, root: str) -> Dict[str, dict]:
         _report("pred", out["pred"])
         if args.standalone_pred:
             # The same stage with the teacher store off: it runs the teacher over the train set
-            # itself (what a prediction stage costs without an intermediate stage before it).
+            # itself (what a prediction stage costs without an intermediate stage before it),
+            # and with an empty compile cache of its own (the run above filled the shared one).
+            fresh = os.path.join(root, "xla_cache_standalone")
+            shutil.rmtree(fresh, ignore_errors=True)
             out["pred_standalone"] = run_cli(
                 f"configs/task_distill.py:{task}_pred", pred + "_standalone", ov,
-                os.path.join(root, "pred_standalone.log"), env={"JTB_TEACHER_STORE": "off"})
+                os.path.join(root, "pred_standalone.log"),
+                env={"JTB_TEACHER_STORE": "off", "JAX_COMPILATION_CACHE_DIR": fresh})
             _report("pred, standalone", out["pred_standalone"])
     return out
 

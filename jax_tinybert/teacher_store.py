@@ -88,6 +88,8 @@ class Store:
         try:
             entry = tc.open_cache(path, share_fp, verify=True)
         except tc.CacheError as e:
+            if "built from other inputs" in str(e):
+                return None
             log.warning("teacher store: ignoring and removing the damaged entry %s: %s", path, e)
             shutil.rmtree(path, ignore_errors=True)
             return None
@@ -145,8 +147,7 @@ class Store:
             meta = {k: v for k, v in cache.meta.items()
                     if k not in ("token_fields", "token_index_file")}
             meta["fields"] = {f: cache.meta["fields"][f] for f in fields}
-            meta["fingerprint"] = tc._normalise(
-                dict(share_fp, num_examples=cache.num_examples))
+            meta["fingerprint"] = tc._normalise(share_fp)
             with open(os.path.join(tmp, tc.META), "w") as fh:
                 json.dump(meta, fh, indent=1, sort_keys=True)
             # An entry with fewer rows (a shorter run's) is replaced; a reader of the old one
