@@ -48,7 +48,10 @@ def root_from_env() -> Optional[str]:
     """The store folder ($JTB_TEACHER_STORE or the default), or None when sharing is off."""
     v = os.environ.get(ENV)
     if v is None:
-        return os.path.expanduser(DEFAULT_ROOT)
+        root = os.path.expanduser(DEFAULT_ROOT)
+        # No home folder (HOME unset in a bare container): no store rather than a "~" folder
+        # in the working directory.
+        return None if root.startswith("~") else root
     return None if v.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(v))
 
 

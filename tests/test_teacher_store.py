@@ -140,3 +140,10 @@ def test_store_location_from_env(monkeypatch, tmp_path, value, want):
         monkeypatch.setenv(ts.ENV, value)
     got = ts.from_env()
     assert (got.root if got else None) == (want and want.replace("HOME", str(tmp_path)))
+
+
+def test_no_home_no_store(monkeypatch):
+    monkeypatch.delenv(ts.ENV, raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(os.path, "expanduser", lambda p: p)   # what it does with no home at all
+    assert ts.from_env() is None
