@@ -17,6 +17,7 @@ Everything that trains, plans or benchmarks a step goes through `build_step`, so
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -33,7 +34,7 @@ from jax_tinybert import config_base, fs, objectives, optim
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
 from jax_tinybert import teacher_cache, teacher_store
-from jax_tinybert.config_check import ConfigValueError
+from jax_tinybert.config_check import ConfigValueError, owned_by_a_run
 from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
 from jax_tinybert.hf import bert_params, load_pretrained
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
@@ -188,11 +189,70 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
         source=dc.source, subset=n, subset_seed=subset_seed)
     train_ds = load("train", dc.train_subset, seed, dc.train_file or None)
     eval_ds = load(spec.eval_splits[0], dc.eval_subset, seed + 1)
-    buckets = batching.resolve_buckets(dc.buckets, dc.max_len, train_ds.lengths, dc.max_buckets)
+    buckets, eval_buckets = choose_buckets(config, train_ds.lengths, eval_ds.lengths, workdir)
     batches = batching.BucketedBatcher(train_ds, gb, buckets, train=True, seed=seed)
-    ev = batching.BucketedBatcher(eval_ds, config.train.eval_batch_size, buckets, train=False)
+    ev = batching.BucketedBatcher(eval_ds, config.train.eval_batch_size, eval_buckets,
+                                  train=False)
     id2label = None if spec.labels is None else dict(enumerate(spec.labels))
     return Data(batches, ev, eval_ds.labels, spec.name, spec.num_labels, id2label, train_ds)
+
+
+# Auto `data.bucket_compile_steps`: one bucket's compilations (train step, eval step, teacher
+# forward) in train steps at max_len. CPU: 7-14 measured (2 cores, MiniLM-L6 -> TinyBERT4,
+# benchmarks/compile_cost.py); an H100 compiles for 18-116 s a step of 4-7 ms (RESULTS.md).
+AUTO_COMPILE_STEPS = {"cpu": 8.0}
+AUTO_COMPILE_STEPS_ACCELERATOR = 1000.0
+
+
+def bucket_compile_steps(config) -> float:
+    """config.data.bucket_compile_steps with -1 (auto) resolved for this backend."""
+    v = float(config.data.bucket_compile_steps)
+    if v >= 0:
+        return v
+    return AUTO_COMPILE_STEPS.get(jax.default_backend(), AUTO_COMPILE_STEPS_ACCELERATOR)
+
+
+BUCKETS_RECORD = "buckets.json"
+
+
+def choose_buckets(config, train_lengths, eval_lengths,
+                   workdir: Optional[str] = None) -> Tuple[tuple, tuple]:
+    """(train buckets, eval buckets): config.data.buckets, or when () chosen from each set's
+    lengths for this run, weighing a bucket's compilations (`bucket_compile_steps`) against
+    the padding it saves over the run's passes (train: its epochs; dev: its evaluations).
+
+    Chosen once per run: recorded in workdir/buckets.json and reused when the run resumes, so
+    a resume that changes num_epochs keeps the data plan the checkpoint was saved under."""
+    dc, tc = config.data, config.train
+    if dc.buckets:
+        b = batching.resolve_buckets(dc.buckets, dc.max_len)
+        return b, b
+    record = fs.join(workdir, BUCKETS_RECORD) if workdir else None
+    owned = bool(workdir) and owned_by_a_run(workdir)
+    if owned and fs.exists(record):
+        with fs.open_file(record) as fh:
+            saved = json.load(fh)
+        if saved.get("num_train") == len(train_lengths) and saved.get("max_len") == dc.max_len:
+            return tuple(saved["train"]), tuple(saved["eval"])
+    n = max(1, len(train_lengths))
+    epochs = (tc.num_steps * tc.batch_size / n) if tc.num_steps > 0 else tc.num_epochs
+    steps = epochs * n / tc.batch_size
+    evals = math.ceil(steps / tc.eval_every) if tc.eval_every else math.ceil(epochs)
+    # A run started before buckets.json existed chose its buckets with compilations free.
+    per_bucket = 0.0 if owned else bucket_compile_steps(config)
+    train = batching.resolve_buckets(
+        (), dc.max_len, train_lengths, dc.max_buckets, passes=max(epochs, 1e-9),
+        compile_cost=batching.compile_cost(per_bucket, tc.batch_size, dc.max_len))
+    # An eval step is ~1/3 of a train step and so is its compilation: the same count holds.
+    dev = batching.resolve_buckets(
+        (), dc.max_len, eval_lengths, dc.max_buckets, passes=max(evals, 1),
+        compile_cost=batching.compile_cost(per_bucket, tc.eval_batch_size, dc.max_len))
+    if record and jax.process_index() == 0:
+        fs.makedirs(workdir)
+        fs.write_json_atomic(record, {"train": list(train), "eval": list(dev),
+                                      "num_train": len(train_lengths), "max_len": dc.max_len,
+                                      "bucket_compile_steps": per_bucket, "epochs": epochs})
+    return train, dev
 
 
 # --------------------------------------------------------------------------- objective, optimizer

@@ -28,6 +28,7 @@ from jax_tinybert import step as step_lib
 from jax_tinybert.checkpoints import Checkpointer
 from jax_tinybert.config_check import (ConfigValueError, check_workdir,  # noqa: F401
                                        config_fingerprint, validate_config)
+from jax_tinybert.errors import UserError
 from jax_tinybert.export import export_hf
 from jax_tinybert.fs import write_json_atomic
 from jax_tinybert.metrics_writer import MetricsWriter
@@ -157,7 +158,10 @@ def _restore(ckpt: Checkpointer, run: build.Run, state, workdir: str):
     if restored is None:
         return 0, state, None, {}
     start_step, state, meta = restored
-    run.data.train_batches.load_state_dict(meta["data"])
+    try:
+        run.data.train_batches.load_state_dict(meta["data"])
+    except ValueError as e:   # the data of this run is not the saved run's: the user's to fix
+        raise UserError(f"--workdir={workdir}: {e}") from e
     if jax.process_index() == 0:
         print(f"resumed from step {start_step} in {workdir}", flush=True)
     return start_step, state, meta.get("best"), meta.get("history") or {}

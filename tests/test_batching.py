@@ -175,6 +175,51 @@ def test_choose_buckets_is_the_cheapest_set_within_the_budget(seed):
         assert batching.bucket_cost(lengths, got) == pytest.approx(want_cost, rel=1e-12), (got, want)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_choose_buckets_weighs_compilations_against_padding(seed):
+    """With compile_cost the count is the one minimising passes x cost + k x compile_cost
+    (brute force over every set of each size), not the most buckets that pay."""
+    r = np.random.default_rng(seed)
+    lengths = np.concatenate([r.integers(3, 20, 200), r.integers(20, 70, 40)])
+    full = _brute_force_buckets(lengths, 72, 4)[0]
+    for passes, cc in ((1, 0.05 * full), (3, 0.05 * full), (1, 2 * full), (2, 0.0)):
+        totals = {k: passes * _brute_force_buckets(lengths, 72, k)[0] + k * cc
+                  for k in range(1, 5)}
+        want_k = min(totals, key=lambda k: (totals[k], k))
+        got = batching.choose_buckets(lengths, 72, max_buckets=4, tolerance=0.0, passes=passes,
+                                      compile_cost=cc)
+        used = set(np.asarray(got)[batching.assign_buckets(lengths, got)].tolist())
+        assert len(used) == want_k, (passes, cc, got, totals)
+        assert passes * batching.bucket_cost(lengths, got) + len(used) * cc == \
+            pytest.approx(totals[want_k], rel=1e-12)
+
+
+def test_choose_buckets_compile_cost_by_hand():
+    # 10 examples of 8 tokens, 10 of 64. One bucket (64): 20 x (64 + 64^2/256) = 1600 per pass;
+    # two (8, 64): 10 x (8 + 0.25) + 10 x 80 = 882.5 per pass.
+    lengths = np.asarray([8] * 10 + [64] * 10)
+    # one pass, a compilation worth 1000: 1600 + 1000 < 882.5 + 2000 -> one bucket
+    assert batching.choose_buckets(lengths, 64, passes=1, compile_cost=1000.0) == (64,)
+    # two passes: 3200 + 1000 > 1765 + 2000 -> two
+    assert batching.choose_buckets(lengths, 64, passes=2, compile_cost=1000.0) == (8, 64)
+    assert batching.compile_cost(2, 10, 64) == 2 * 10 * 80.0
+    with pytest.raises(ValueError, match="passes"):
+        batching.choose_buckets(lengths, 64, passes=0)
+
+
+def test_resume_with_other_buckets_is_refused(mrpc):
+    it = batching.BucketedBatcher(mrpc, 32, (64, 128), seed=1, process_index=0, process_count=1)
+    next(it)
+    other = batching.BucketedBatcher(mrpc, 32, (48, 128), seed=1, process_index=0,
+                                     process_count=1)
+    with pytest.raises(ValueError, match=r"buckets=\(64, 128\).*data.buckets"):
+        other.load_state_dict(it.state_dict())
+    same = batching.BucketedBatcher(mrpc, 32, (64, 128), seed=1, process_index=0, process_count=1)
+    old = {k: v for k, v in it.state_dict().items() if k != "buckets"}  # saved before buckets
+    same.load_state_dict(old)
+    assert same.step == 1
+
+
 def test_choose_buckets_on_sst2_halves_the_padding_and_keeps_every_example(sst2):
     lengths = np.asarray(sst2.lengths)
     buckets = batching.choose_buckets(lengths, 128, max_buckets=6)

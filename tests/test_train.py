@@ -126,11 +126,34 @@ def test_task_configs_choose_buckets_from_the_data(tmp_path, glue_dir, teacher_d
     assert tuple(c.data.buckets) == ()
     c.data.glue_dir, c.data.train_subset = str(glue_dir), 3000
     d = build.build_data(c, str(tmp_path), teacher_dir)
+    # Free compilations: the most buckets that pay (the same set for a dev pass).
+    c.data.bucket_compile_steps = 0
     want = batching.choose_buckets(d.train_dataset.lengths, 64, c.data.max_buckets)
-    assert d.train_batches.buckets == want == d.eval_batches.buckets and want[-1] == 64 and \
-        len(want) > 2
-    c.data.buckets = (32,)  # explicit buckets are used as given (+ max_len)
-    assert build.build_data(c, str(tmp_path), teacher_dir).train_batches.buckets == (32, 64)
+    d = build.build_data(c, str(tmp_path), teacher_dir)
+    assert d.train_batches.buckets == want and want[-1] == 64 and len(want) > 2
+    assert d.eval_batches.buckets == batching.choose_buckets(
+        d.eval_batches.lengths, 64, c.data.max_buckets)
+    # Auto on CPU (8 steps a bucket): the same or fewer buckets; more epochs never fewer.
+    c.data.bucket_compile_steps = -1
+    auto = build.build_data(c, str(tmp_path), teacher_dir).train_batches.buckets
+    assert len(auto) <= len(want) and auto[-1] == 64
+    c.train.num_epochs = 20
+    assert len(build.build_data(c, str(tmp_path), teacher_dir).train_batches.buckets) >= \
+        len(auto)
+    # Chosen once per run: a resumed run (the workdir is owned) keeps them whatever the
+    # schedule now says; one started before buckets.json existed gets the compile-free choice.
+    c.train.num_epochs = 1
+    wd = tmp_path / "run"
+    first = build.build_data(c, str(wd), teacher_dir).train_batches.buckets
+    assert len(first) < len(want)   # 3,000 examples, one epoch: a compilation is worth more
+    (wd / "summary.json").write_text("{}")
+    c.train.num_epochs = 20
+    assert build.build_data(c, str(wd), teacher_dir).train_batches.buckets == first
+    os.remove(wd / build.BUCKETS_RECORD)
+    assert build.build_data(c, str(wd), teacher_dir).train_batches.buckets == want
+    c.data.buckets = (32,)  # explicit buckets are used as given (+ max_len), train and dev
+    d = build.build_data(c, str(tmp_path), teacher_dir)
+    assert d.train_batches.buckets == (32, 64) == d.eval_batches.buckets
 
 
 # --------------------------------------------------------------------------- intermediate cache

@@ -57,14 +57,18 @@ def bucket_cost(lengths: np.ndarray, buckets: Sequence[int], attention_len: int 
 
 
 def choose_buckets(lengths: np.ndarray, max_len: int, max_buckets: int = 6, multiple: int = 8,
-                   attention_len: int = 256, tolerance: float = 0.02) -> Tuple[int, ...]:
+                   attention_len: int = 256, tolerance: float = 0.02, passes: float = 1.0,
+                   compile_cost: float = 0.0) -> Tuple[int, ...]:
     """Length buckets for a dataset, from its length histogram, under a compile budget.
 
     Every bucket is one more compilation of the train step (and of the eval step and the
     teacher-cache forward), so the number of buckets is the budget: for each k <= max_buckets
     an exact dynamic program over the histogram picks the k bucket lengths (multiples of
-    `multiple`, the last = max_len) minimising `bucket_cost`; the smallest k within
-    `tolerance` of the best k's cost wins (more buckets past that point buy little). max_len is
+    `multiple`, the last = max_len) minimising `bucket_cost`; then k is chosen to minimise
+    `passes` x that cost + k x `compile_cost` (a bucket's compilations in `bucket_cost` units,
+    0 = free), the smallest k within `tolerance` of the best total winning (more buckets past
+    that point buy little). A small data set run for few passes thus gets fewer buckets: on
+    MRPC (3,668 pairs, one epoch) a compilation outweighs the padding it saves. max_len is
     always the last bucket, outside the budget when no example needs it (it is then never
     compiled for training; longer eval examples still fit).
     lengths: int [n] token counts (<= max_len). Returns sorted bucket lengths ending in max_len.
@@ -78,6 +82,9 @@ def choose_buckets(lengths: np.ndarray, max_len: int, max_buckets: int = 6, mult
                          f"{max_len}")
     if max_buckets < 1:
         raise ValueError(f"choose_buckets: max_buckets={max_buckets} must be >= 1")
+    if passes <= 0 or compile_cost < 0:
+        raise ValueError(f"choose_buckets: passes={passes} must be > 0 and "
+                         f"compile_cost={compile_cost} >= 0")
     if not len(lengths):
         return (max_len,)
     # The last candidate covers the longest example; max_len is added after (empty in this
@@ -102,7 +109,8 @@ def choose_buckets(lengths: np.ndarray, max_len: int, max_buckets: int = 6, mult
                 c = best[k - 1][i] + (csum[j + 1] - csum[i + 1]) * unit[j]
                 if c < best[k][j]:
                     best[k][j], back[k][j] = c, i
-    totals = [best[k][m - 1] for k in range(1, max_buckets + 1)]
+    totals = [float(passes) * best[k][m - 1] + k * float(compile_cost)
+              for k in range(1, max_buckets + 1)]
     target = min(totals) * (1 + tolerance)
     k = next(k for k in range(1, max_buckets + 1) if totals[k - 1] <= target)
     out, j = [], m - 1
@@ -115,15 +123,23 @@ def choose_buckets(lengths: np.ndarray, max_len: int, max_buckets: int = 6, mult
 
 
 def resolve_buckets(buckets: Sequence[int], max_len: int, lengths=None,
-                    max_buckets: int = 6) -> Tuple[int, ...]:
+                    max_buckets: int = 6, passes: float = 1.0,
+                    compile_cost: float = 0.0) -> Tuple[int, ...]:
     """The buckets a run uses: the configured ones below max_len plus max_len; or, when
-    `buckets` is empty, `choose_buckets(lengths, max_len, max_buckets)` (lengths: the train
-    set's token counts)."""
+    `buckets` is empty, `choose_buckets(lengths, max_len, max_buckets, passes=,
+    compile_cost=)` (lengths: the token counts of the set the buckets are for)."""
     if not buckets:
         if lengths is None:
             raise ValueError("resolve_buckets: buckets=() (choose from the data) needs lengths")
-        return choose_buckets(lengths, max_len, max_buckets=int(max_buckets))
+        return choose_buckets(lengths, max_len, max_buckets=int(max_buckets), passes=passes,
+                              compile_cost=compile_cost)
     return tuple(sorted({int(b) for b in buckets if b < max_len} | {int(max_len)}))
+
+
+def compile_cost(steps: float, batch_size: int, max_len: int, attention_len: int = 256) -> float:
+    """A bucket's compilations worth `steps` steps of `batch_size` rows at `max_len`, in
+    `bucket_cost` units (what `choose_buckets(compile_cost=)` takes)."""
+    return float(steps) * int(batch_size) * (max_len + max_len * max_len / attention_len)
 
 
 def _process_defaults(process_index, process_count):
@@ -272,7 +288,7 @@ class BucketedBatcher:
         return {"epoch": int(self.epoch), "step": int(self.step), "seed": self.seed,
                 "num_examples": int(len(self.lengths)),
                 "global_batch_size": self.global_batch_size,
-                "steps_per_epoch": int(self.steps_per_epoch)}
+                "steps_per_epoch": int(self.steps_per_epoch), "buckets": list(self.buckets)}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Restores a `state_dict()`; the next batch is the one that would have come next."""
@@ -280,4 +296,18 @@ class BucketedBatcher:
             mine = self.state_dict()[k]
             if k in state and int(state[k]) != mine:
                 raise ValueError(f"cannot resume: saved {k}={state[k]} but this iterator has {mine}")
+        # Buckets chosen from the data depend on the run's length (data.bucket_compile_steps):
+        # other buckets would give another epoch plan, i.e. silently other batches.
+        if "buckets" in state and tuple(int(b) for b in state["buckets"]) != self.buckets:
+            saved = tuple(int(b) for b in state["buckets"])
+            raise ValueError(f"cannot resume: the run was saved with buckets={saved} but this one "
+                             f"has buckets={self.buckets}; rerun with "
+                             f"--config.data.buckets='{saved}' (or the settings it was started "
+                             f"with)")
+        if "buckets" not in state and "steps_per_epoch" in state and \
+                int(state["steps_per_epoch"]) != self.steps_per_epoch:
+            # Saved before buckets were recorded: another epoch length means other buckets.
+            raise ValueError(f"cannot resume: the run was saved with {state['steps_per_epoch']} "
+                             f"steps per epoch but this one has {self.steps_per_epoch} (other "
+                             f"length buckets); rerun with the data.buckets it was started with")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
