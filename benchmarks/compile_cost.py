@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from jax_tinybert import build, plan, teacher_cache  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
 from jax_tinybert import step as step_lib  # noqa: E402
-from jax_tinybert.modeling import init_params  # noqa: E402
+from jax_tinybert.modeling import BertConfig, init_params  # noqa: E402
 
 STAGES = {"finetune": "finetune", "intermediate": "tinybert_intermediate",
           "pred": "tinybert_pred"}
@@ -60,10 +60,9 @@ def _concrete(abstract, seed=0):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def measure(stage: str, teacher: str, student: str, lengths, batch: int, steps: int) -> dict:
+def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int) -> dict:
+    """Compile times per length and the step time at the longest; tcfg/scfg: BertConfigs."""
     objective = STAGES[stage]
-    tcfg = plan.bert_config(teacher, max_len=max(lengths))
-    scfg = plan.bert_config(student, max_len=max(lengths))
     mesh = shd.make_mesh({"data": -1, "fsdp": 1, "model": 1}, None)
     if stage == "finetune":   # the teacher fine-tuned alone: it is the "student" of the step
         scfg, tcfg = tcfg, None
@@ -125,13 +124,22 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", default="")
+    p.add_argument("--smoke", action="store_true", help="tiny random models (tests the wiring)")
     a = p.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
+    if a.smoke:
+        tiny = lambda n, d: BertConfig(vocab_size=128, hidden_size=d, num_hidden_layers=n,  # noqa
+                                       num_attention_heads=2, intermediate_size=2 * d,
+                                       max_position_embeddings=max(lengths), num_labels=2)
+        tcfg, scfg = tiny(2, 32), tiny(1, 16)
+    else:
+        tcfg = plan.bert_config(a.teacher, max_len=max(lengths))
+        scfg = plan.bert_config(a.student, max_len=max(lengths))
     out = {"cpu": _cpu(), "jax": jax.__version__, "backend": jax.default_backend(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batch": a.batch,
            "stages": []}
     for s in a.stages.split(","):
-        r = measure(s, a.teacher, a.student, lengths, a.batch, a.steps)
+        r = measure(s, tcfg, scfg, lengths, a.batch, a.steps)
         out["stages"].append(r)
         print(f"{s}: one bucket = {r['compile_per_bucket_s']:.1f} s of compilation = "
               f"{r['bucket_in_steps']:.1f} steps at T={max(lengths)} "

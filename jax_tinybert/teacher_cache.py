@@ -533,12 +533,23 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     share_fp = dict(fingerprint, layers=[] if token_fields else fingerprint["layers"],
                     num_examples=n)
     if store is not None and not token_fields and not _is_current(path, fingerprint, n):
-        entry = store.find(share_fp, rows)
+        need = np.arange(n) if rows is None else rows
+        # An entry of a run with other buckets lacks a few rows (each bucket drops its own
+        # incomplete batch): those are forwarded here, up to a quarter of what the run reads.
+        entry = store.find(share_fp, rows, max_missing=len(need) // 4)
         if entry is not None:
+            missing = need[~np.asarray(entry.filled)[need]]
             log.info("teacher cache: teacher outputs of %d examples from the teacher store %s "
                      "(computed by an earlier run with the same teacher and data; "
-                     "JTB_TEACHER_STORE=off to recompute)", int(np.sum(entry.filled)), entry.path)
-            return store.adopt(entry, path, fingerprint)
+                     "JTB_TEACHER_STORE=off to recompute)%s", len(need) - len(missing),
+                     entry.path, f"; forwarding the {len(missing)} it lacks" if len(missing)
+                     else "")
+            fill = lambda ids: _forward_rows(forward, models.teacher_params, ds, ids,  # noqa
+                                             buckets, batch_size)
+            cache = store.adopt(entry, path, fingerprint, missing=missing, fill=fill)
+            if len(missing):
+                store.publish(cache, share_fp)   # the entry grows to the rows of both runs
+            return cache
     cache = build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
                           num_rows=None if rows is None else len(rows),
                           token_fields=token_fields, token_dtype=token_dtype or "float32")
@@ -548,6 +559,26 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         # The intermediate loss reads the per-token fields only: its batches get nothing else.
         cache.fields = {k: v for k, v in cache.fields.items() if k != "teacher_logits"}
     return cache
+
+
+def _forward_rows(forward: Callable, params, ds, rows: np.ndarray, buckets,
+                  batch_size: int) -> Dict[str, np.ndarray]:
+    """forward's outputs for dataset rows `rows` (int [M]) -> {field: float32 [M, ...]}, in
+    the order of `rows` (batched by bucket, as a build does)."""
+    src = tokenize.take(ds, rows)
+    it = batching.BucketedBatcher(src, min(batch_size, max(1, len(src))), buckets,
+                                  train=False, process_index=0, process_count=1)
+    params = jax.device_put(params)
+    out: Dict[str, np.ndarray] = {}
+    for batch in it:
+        keep = np.asarray(batch["valid"]) > 0
+        pos = np.asarray(batch["example_id"])[keep]     # positions in `rows`
+        feats = jax.device_get(forward(params, *(np.asarray(batch[k]) for k in MODEL_KEYS)))
+        for k, v in feats.items():
+            if k not in out:
+                out[k] = np.zeros((len(rows),) + v.shape[1:], np.float32)
+            out[k][pos] = np.asarray(v, np.float32)[keep]
+    return out
 
 
 def _is_current(path: str, fingerprint: Mapping[str, Any], num_examples: int) -> bool:

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import shutil
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -80,10 +80,11 @@ class Store:
         """The entry folder of a cache fingerprint (NOT_SHARED fields ignored)."""
         return os.path.join(self.root, key(share_fingerprint(fingerprint)))
 
-    def find(self, fingerprint: Mapping[str, Any],
-             rows: Optional[np.ndarray]) -> Optional[tc.TeacherCache]:
-        """The entry for `fingerprint` (NOT_SHARED fields ignored) if it is intact and has every row of `rows` (int [R]; None:
-        all of its examples); else None (a damaged entry is logged and removed)."""
+    def find(self, fingerprint: Mapping[str, Any], rows: Optional[np.ndarray],
+             max_missing: int = 0) -> Optional[tc.TeacherCache]:
+        """The entry for `fingerprint` (NOT_SHARED fields ignored) if it is intact and lacks at
+        most `max_missing` rows of `rows` (int [R]; None: all of its examples); else None (a
+        damaged entry is logged and removed)."""
         share_fp = share_fingerprint(fingerprint)
         path = self.entry_path(share_fp)
         if not os.path.isfile(os.path.join(path, tc.META)):
@@ -97,13 +98,17 @@ class Store:
             shutil.rmtree(path, ignore_errors=True)
             return None
         filled = np.asarray(entry.filled)
-        covered = bool(filled.all()) if rows is None else bool(filled[np.asarray(rows)].all())
-        return entry if covered else None
+        missing = int((~filled).sum() if rows is None else (~filled[np.asarray(rows)]).sum())
+        return entry if missing <= max_missing else None
 
-    def adopt(self, entry: tc.TeacherCache, path: str,
-              fingerprint: Mapping[str, Any]) -> tc.TeacherCache:
+    def adopt(self, entry: tc.TeacherCache, path: str, fingerprint: Mapping[str, Any],
+              missing: Optional[np.ndarray] = None,
+              fill: Optional[Callable[[np.ndarray], Mapping[str, np.ndarray]]] = None
+              ) -> tc.TeacherCache:
         """Copy `entry` to the workdir cache folder `path` under the run's own `fingerprint`
-        (what `teacher_cache.build_or_load` compares on the next start)."""
+        (what `teacher_cache.build_or_load` compares on the next start). missing: rows (int
+        [M]) the entry lacks and the run reads, computed by `fill(rows) -> {field: [M, ...]}`
+        (a teacher forward) into the copy."""
         path = fs.abspath(path)
         fs.makedirs(os.path.dirname(path))
         fs.clean_stale_temps(path)
@@ -114,6 +119,8 @@ class Store:
                                 os.path.join(tmp, name + ".npy"))
             meta = dict(entry.meta, fingerprint=tc._normalise(
                 dict(fingerprint, num_examples=entry.num_examples)))
+            if missing is not None and len(missing):
+                meta = _fill_rows(tmp, meta, np.asarray(missing, np.int64), fill(missing))
             with open(os.path.join(tmp, tc.META), "w") as fh:
                 json.dump(meta, fh, indent=1, sort_keys=True)
             fs.publish_dir(tmp, path, last=[tc.META], keep_local=fs.is_remote(path))
@@ -163,6 +170,29 @@ class Store:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             return None
+
+
+def _fill_rows(folder: str, meta: dict, rows: np.ndarray, values: Mapping[str, np.ndarray]
+               ) -> dict:
+    """Writes `values` ({field: [M, ...]}) at `rows` of the cache files in `folder` and marks
+    them filled; -> meta with the new file sizes and checksums."""
+    if set(values) < set(meta["fields"]):
+        raise ValueError(f"teacher store: the forward gave {sorted(values)}, the entry holds "
+                         f"{sorted(meta['fields'])}")
+    meta = dict(meta, fields=dict(meta["fields"]))
+    for name in meta["fields"]:
+        p = os.path.join(folder, name + ".npy")
+        arr = np.load(p, mmap_mode="r+")
+        arr[rows] = np.asarray(values[name], arr.dtype)
+        arr.flush()
+        del arr
+        meta["fields"][name] = tc._file_info(p)
+    p = os.path.join(folder, tc.FILLED)
+    filled = np.load(p)
+    filled[rows] = True
+    np.save(p, filled)
+    meta.update(filled=int(filled.sum()), filled_file=tc._file_info(p))
+    return meta
 
 
 def from_env() -> Optional[Store]:

@@ -105,6 +105,24 @@ def test_step_throughput_smoke(tmp_path):
         [s.replace("tinybert_", "") for s in st.STAGES]
 
 
+def test_compile_cost_smoke(tmp_path):
+    out = tmp_path / "cc.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "compile_cost.py"), "--smoke",
+                           "--lengths", "8,16", "--batch", "4", "--steps", "1",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["stage"] for r in res["stages"]] == ["finetune", "intermediate", "pred"]
+    for r in res["stages"]:
+        assert [row["T"] for row in r["rows"]] == [8, 16]
+        assert all(row["compile_train_s"] > 0 and row["compile_eval_s"] > 0 for row in r["rows"])
+        # Only stages whose teacher outputs are cached compile the teacher-cache forward.
+        assert (r["rows"][0]["compile_teacher_forward_s"] > 0) == (r["stage"] == "pred")
+        assert r["bucket_in_steps"] == pytest.approx(
+            r["compile_per_bucket_s"] / r["step_at_max_len_s"])
+
+
 def test_step_throughput_accelerator_path(monkeypatch, tmp_path, capsys):
     """The GPU code path (three matmul variants with their errors, pipelined timing, MFU,
     bfloat16 compute, the accelerator table) run on the CPU backend. (PyTorch's side of it is

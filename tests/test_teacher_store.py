@@ -105,6 +105,31 @@ def test_intermediate_build_publishes_the_logits_the_pred_stage_reads(tmp_path, 
                                _live_logits(small, small.params, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_an_entry_of_other_buckets_is_completed_not_rebuilt(tmp_path, small, monkeypatch):
+    """A run with other buckets reads a few rows the entry lacks (each bucket drops its own
+    incomplete batch): only those are forwarded; the rest come from the store."""
+    store = ts.Store(str(tmp_path / "store"))
+    obj, models = _pred_run(small)
+    a = _data(small, buckets=(16, 32, 64))
+    first = tc.build_for_training(models, obj, a, str(tmp_path / "a"),
+                                  num_steps=a.train_batches.steps_per_epoch, store=store)
+    b = _data(small, buckets=(24, 64))
+    need = b.train_batches.rows_read(b.train_batches.steps_per_epoch)
+    lacking = need[~np.asarray(first.filled)[need]]
+    assert 0 < len(lacking) <= len(need) // 4, (len(lacking), len(need))
+    _no_forward(monkeypatch)    # no full build: tc.build would fail
+    second = tc.build_for_training(models, obj, b, str(tmp_path / "b"),
+                                   num_steps=b.train_batches.steps_per_epoch, store=store)
+    assert second.build_stats is None and np.asarray(second.filled)[need].all()
+    np.testing.assert_allclose(second.lookup(need)["teacher_logits"],
+                               _live_logits(small, small.params, need), rtol=1e-5, atol=1e-5)
+    # The copy is intact (checksums of the completed files) and the entry grew to both runs' rows.
+    tc.open_cache(str(tmp_path / "b" / "cache" / "teacher"), verify=True)
+    (entry,) = os.listdir(store.root)
+    grown = np.load(os.path.join(store.root, entry, "filled.npy"))
+    assert grown[need].all() and grown[np.flatnonzero(first.filled)].all()
+
+
 def test_missing_rows_or_damage_rebuild(tmp_path, small, caplog):
     store = ts.Store(str(tmp_path / "store"))
     obj, models = _pred_run(small)
