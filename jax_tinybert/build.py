@@ -198,10 +198,13 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
 
 
 # Auto `data.bucket_compile_steps`: one bucket's compilations (train step, eval step, teacher
-# forward) in train steps at max_len. CPU: 7-14 measured (2 cores, MiniLM-L6 -> TinyBERT4,
-# benchmarks/compile_cost.py); an H100 compiles for 18-116 s a step of 4-7 ms (RESULTS.md).
+# forward) in train steps at length COMPILE_STEPS_LEN. A compilation takes about as long at any
+# length while a step grows with it, hence a fixed reference length: on 2 CPU cores (MiniLM-L6
+# -> TinyBERT4, benchmarks/compile_cost.py) 7-14 steps at 64 = 3-7 at 128; an H100 compiles
+# for 18-116 s a step of 4-7 ms (RESULTS.md).
 AUTO_COMPILE_STEPS = {"cpu": 8.0}
 AUTO_COMPILE_STEPS_ACCELERATOR = 1000.0
+COMPILE_STEPS_LEN = 64
 
 
 def bucket_compile_steps(config) -> float:
@@ -242,11 +245,11 @@ def choose_buckets(config, train_lengths, eval_lengths,
     per_bucket = 0.0 if owned else bucket_compile_steps(config)
     train = batching.resolve_buckets(
         (), dc.max_len, train_lengths, dc.max_buckets, passes=max(epochs, 1e-9),
-        compile_cost=batching.compile_cost(per_bucket, tc.batch_size, dc.max_len))
+        compile_cost=batching.compile_cost(per_bucket, tc.batch_size, COMPILE_STEPS_LEN))
     # An eval step is ~1/3 of a train step and so is its compilation: the same count holds.
     dev = batching.resolve_buckets(
         (), dc.max_len, eval_lengths, dc.max_buckets, passes=max(evals, 1),
-        compile_cost=batching.compile_cost(per_bucket, tc.eval_batch_size, dc.max_len))
+        compile_cost=batching.compile_cost(per_bucket, tc.eval_batch_size, COMPILE_STEPS_LEN))
     if record and jax.process_index() == 0:
         fs.makedirs(workdir)
         fs.write_json_atomic(record, {"train": list(train), "eval": list(dev),

@@ -130,7 +130,7 @@ NUMERIC_RULES = {
     "data.seq_len": (("in [4, 8192]", lambda v: 4 <= v <= 8192), "tokens per corpus sequence"),
     "data.max_buckets": (_GE1, "bucket budget when data.buckets=() (chosen from the data)"),
     "data.bucket_compile_steps": (("-1 (auto) or >= 0", lambda v: v == -1 or v >= 0),
-                                  "a bucket's compilations in train steps at max_len"),
+                                  "a bucket's compilations in train steps at length 64"),
     "data.train_subset": (_NONNEG, "0 = all"),
     "data.eval_subset": (_NONNEG, "0 = all"),
     "data.synthetic_train": (_GE1, ""),

@@ -136,10 +136,10 @@ def resolve_buckets(buckets: Sequence[int], max_len: int, lengths=None,
     return tuple(sorted({int(b) for b in buckets if b < max_len} | {int(max_len)}))
 
 
-def compile_cost(steps: float, batch_size: int, max_len: int, attention_len: int = 256) -> float:
-    """A bucket's compilations worth `steps` steps of `batch_size` rows at `max_len`, in
+def compile_cost(steps: float, batch_size: int, length: int, attention_len: int = 256) -> float:
+    """A bucket's compilations worth `steps` steps of `batch_size` rows at `length`, in
     `bucket_cost` units (what `choose_buckets(compile_cost=)` takes)."""
-    return float(steps) * int(batch_size) * (max_len + max_len * max_len / attention_len)
+    return float(steps) * int(batch_size) * (length + length * length / attention_len)
 
 
 def _process_defaults(process_index, process_count):
