@@ -376,7 +376,10 @@ def summarise(res: dict) -> List[dict]:
 
 
 def render(res: dict) -> str:
-    lines = [f"Machine: {res['machine']['cpu']} ({res['machine']['nproc']} cores); "
+    m = res["machine"]
+    fam = (f", family {m['cpu_family']} model {m['cpu_model']}"
+           if m.get("cpu_family") is not None else "")
+    lines = [f"Machine: {m['cpu']}{fam} ({m['nproc']} cores); "
              f"{res['date']}; command `{res['command']}`; load {res['load_start']} at the start, "
              f"{res['load_end']} at the end.", ""]
     for task, t in res["tasks"].items():
@@ -439,18 +442,23 @@ def machine() -> dict:
                 cpu = line.split(":", 1)[1].strip()
     except OSError:
         pass
-    flags = ""
+    flags, ids = "", {}
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("flags"):
+                key, _, value = line.partition(":")
+                key = key.strip()
+                # "AMD EPYC" names Zen 4 and Zen 5 alike: family/model tell them apart.
+                if key in ("cpu family", "model") and key not in ids:
+                    ids[key] = value.strip()
+                if key == "flags":
                     flags = line
                     break
     except OSError:
         pass
     feats = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in flags]
-    return {"cpu": cpu, "nproc": os.cpu_count(), "features": feats,
-            "python": platform.python_version()}
+    return {"cpu": cpu, "cpu_family": ids.get("cpu family"), "cpu_model": ids.get("model"),
+            "nproc": os.cpu_count(), "features": feats, "python": platform.python_version()}
 
 
 def parse_args(argv=None):
@@ -515,7 +523,9 @@ def main(argv=None):
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["benchmarks/epoch.py"] + (argv or sys.argv[1:])),
            "machine": machine(), "load_start": _loadavg(), "tasks": {}}
-    print(f"# {res['machine']['cpu']}, {res['machine']['nproc']} cores; load {res['load_start']}",
+    print(f"# {res['machine']['cpu']} (family {res['machine']['cpu_family']} model "
+          f"{res['machine']['cpu_model']}), {res['machine']['nproc']} cores; load "
+          f"{res['load_start']}",
           flush=True)
     if args.official_dir:
         prepare_official(args)
