@@ -239,14 +239,16 @@ def choose_buckets(config, train_lengths, eval_lengths,
             return tuple(saved["train"]), tuple(saved["eval"])
     n = max(1, len(train_lengths))
     epochs = (tc.num_steps * tc.batch_size / n) if tc.num_steps > 0 else tc.num_epochs
-    steps = epochs * n / tc.batch_size
-    evals = math.ceil(steps / tc.eval_every) if tc.eval_every else math.ceil(epochs)
+    evals = (math.ceil(epochs * n / tc.batch_size / tc.eval_every) if tc.eval_every
+             else math.ceil(epochs))
     # A run started before buckets.json existed chose its buckets with compilations free.
     per_bucket = 0.0 if owned else bucket_compile_steps(config)
     train = batching.resolve_buckets(
         (), dc.max_len, train_lengths, dc.max_buckets, passes=max(epochs, 1e-9),
         compile_cost=batching.compile_cost(per_bucket, tc.batch_size, COMPILE_STEPS_LEN))
-    # An eval step is ~1/3 of a train step and so is its compilation: the same count holds.
+    # The dev set is charged the same per bucket: an eval step is ~1/3 of a train step but its
+    # compilation ~1/10 (compile_cost.py), so this errs towards fewer dev buckets, on a pass
+    # that is a small share of the run.
     dev = batching.resolve_buckets(
         (), dc.max_len, eval_lengths, dc.max_buckets, passes=max(evals, 1),
         compile_cost=batching.compile_cost(per_bucket, tc.eval_batch_size, COMPILE_STEPS_LEN))

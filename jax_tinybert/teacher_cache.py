@@ -512,14 +512,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     path = fs.join(workdir, "cache", name)
 
     def batches():
-        src = ds if rows is None else tokenize.take(ds, rows)
-        it = batching.BucketedBatcher(src, min(batch_size, max(1, len(src))), buckets,
-                                      train=False, process_index=0, process_count=1)
-        for batch in it:
-            if rows is not None:  # subset positions -> the train set's example ids
-                ids = batch["example_id"]
-                batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)
-            yield batch
+        return _row_batches(ds, rows, buckets, batch_size)
 
     features = obj.teacher_features
     if token_fields:
@@ -544,8 +537,10 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
                      "JTB_TEACHER_STORE=off to recompute)%s", len(need) - len(missing),
                      entry.path, f"; forwarding the {len(missing)} it lacks" if len(missing)
                      else "")
-            fill = lambda ids: _forward_rows(forward, models.teacher_params, ds, ids,  # noqa
-                                             buckets, batch_size)
+            def fill(ids):
+                return _forward_rows(forward, models.teacher_params,
+                                     _row_batches(ds, ids, buckets, batch_size), ids)
+
             cache = store.adopt(entry, path, fingerprint, missing=missing, fill=fill)
             if len(missing):
                 store.publish(cache, share_fp)   # the entry grows to the rows of both runs
@@ -561,18 +556,28 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     return cache
 
 
-def _forward_rows(forward: Callable, params, ds, rows: np.ndarray, buckets,
-                  batch_size: int) -> Dict[str, np.ndarray]:
-    """forward's outputs for dataset rows `rows` (int [M]) -> {field: float32 [M, ...]}, in
-    the order of `rows` (batched by bucket, as a build does)."""
-    src = tokenize.take(ds, rows)
+def _row_batches(ds, rows: Optional[np.ndarray], buckets, batch_size: int):
+    """Eval-mode bucketed batches over dataset rows `rows` (int [R]; None: all of `ds`), no
+    row dropped; example_id = the row's index in `ds` (-1 for filler rows)."""
+    src = ds if rows is None else tokenize.take(ds, rows)
     it = batching.BucketedBatcher(src, min(batch_size, max(1, len(src))), buckets,
                                   train=False, process_index=0, process_count=1)
+    for batch in it:
+        if rows is not None:  # subset positions -> the train set's example ids
+            ids = batch["example_id"]
+            batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)
+        yield batch
+
+
+def _forward_rows(forward: Callable, params, batches, rows: np.ndarray) -> Dict[str, np.ndarray]:
+    """forward's outputs over `batches` (from `_row_batches(ds, rows, ...)`, rows sorted int
+    [M]) -> {field: float32 [M, ...]} in the order of `rows`."""
     params = jax.device_put(params)
     out: Dict[str, np.ndarray] = {}
-    for batch in it:
-        keep = np.asarray(batch["valid"]) > 0
-        pos = np.asarray(batch["example_id"])[keep]     # positions in `rows`
+    for batch in batches:
+        ids = np.asarray(batch["example_id"])
+        keep = (ids >= 0) & (np.asarray(batch["valid"]) > 0)
+        pos = np.searchsorted(rows, ids[keep])
         feats = jax.device_get(forward(params, *(np.asarray(batch[k]) for k in MODEL_KEYS)))
         for k, v in feats.items():
             if k not in out:

@@ -176,7 +176,7 @@ def _fill_rows(folder: str, meta: dict, rows: np.ndarray, values: Mapping[str, n
                ) -> dict:
     """Writes `values` ({field: [M, ...]}) at `rows` of the cache files in `folder` and marks
     them filled; -> meta with the new file sizes and checksums."""
-    if set(values) < set(meta["fields"]):
+    if not set(meta["fields"]) <= set(values):
         raise ValueError(f"teacher store: the forward gave {sorted(values)}, the entry holds "
                          f"{sorted(meta['fields'])}")
     meta = dict(meta, fields=dict(meta["fields"]))
