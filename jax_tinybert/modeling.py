@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_tinybert.dropout import Dropout
 from jax_tinybert.errors import UserError
 from jax_tinybert.fs import write_json_atomic
 
@@ -214,7 +215,22 @@ class BertEmbeddings(_BertModule):
         tok = nn.Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, dtype=self.dtype,
                        param_dtype=self.param_dtype, name="token_type_embeddings")(token_type_ids)
         h = self._layer_norm()(word + pos + tok)
-        return nn.Dropout(rate=c.hidden_dropout_prob)(h, deterministic=deterministic)
+        return Dropout(rate=c.hidden_dropout_prob)(h, deterministic=deterministic)
+
+
+class _DenseParams(_BertModule):
+    """The kernel [in, features] and bias [features] of an `nn.Dense` of the same name (same
+    initialisers, so the same initial values), for a caller that fuses several products."""
+
+    features: int = 0
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        kernel = self.param("kernel", _dense_init(self.config), (in_features, self.features),
+                            self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,),
+                          self.param_dtype)
+        return kernel, bias
 
 
 class BertSelfAttention(_BertModule):
@@ -224,17 +240,26 @@ class BertSelfAttention(_BertModule):
     def __call__(self, h, mask_bias, deterministic: bool = True):
         """h [B, T, D], mask_bias [B, 1, 1, T] additive -> (context [B, T, D], logits [B, H, T, T])."""
         c = self.config
-        B, T, _ = h.shape
-        dense = lambda name: self._dense(c.hidden_size, name)
+        B, T, D = h.shape
+        # One [B*T, D] x [D, 3*D] product instead of three [D, D] ones: the same sums (each
+        # output still contracts over D), run ~1.5-2x faster on CPU for BERT-small widths, and
+        # the backward's input gradient is one product too. The params stay HF's three Dense
+        # layers (query/key/value kernel [D, D] + bias); stacking them on a middle axis keeps a
+        # "model"-axis sharding of their output dim (sharding.py) a sharding of the stack.
+        kernels, biases = zip(*(_DenseParams(c, self.dtype, self.param_dtype, features=c.hidden_size,
+                                             name=n)(D) for n in ("query", "key", "value")))
+        h, kernel, bias = nn.dtypes.promote_dtype(h, jnp.stack(kernels, axis=1),
+                                                  jnp.stack(biases), dtype=self.dtype)
+        qkv = jax.lax.dot_general(h, kernel, (((2,), (0,)), ((), ()))) + bias   # [B, T, 3, D]
         split = lambda x: x.reshape(B, T, c.num_attention_heads, c.head_dim)
-        q, k, v = split(dense("query")(h)), split(dense("key")(h)), split(dense("value")(h))
+        q, k, v = (split(qkv[:, :, i]) for i in range(3))
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
         # Softmax in float32 even under bf16 compute: the -1e9 style mask and exp need the range.
         probs = jax.nn.softmax(logits.astype(jnp.float32) + mask_bias, axis=-1)
         if not deterministic and c.attention_probs_dropout_prob > 0:
-            probs = nn.Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
+            probs = Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
         return ctx.reshape(B, T, c.hidden_size), logits
 
@@ -245,7 +270,7 @@ class _ResidualOutput(_BertModule):
     @nn.compact
     def __call__(self, x, residual, deterministic: bool = True):
         x = self._dense(self.config.hidden_size, "dense")(x)
-        x = nn.Dropout(rate=self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+        x = Dropout(rate=self.config.hidden_dropout_prob)(x, deterministic=deterministic)
         return self._layer_norm()(x + residual)
 
 
@@ -408,7 +433,7 @@ class BertForSequenceClassification(_BertModule):
         x = out.pooled
         if self.head_relu:
             x = jax.nn.relu(x)
-        x = nn.Dropout(rate=self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+        x = Dropout(rate=self.config.hidden_dropout_prob)(x, deterministic=deterministic)
         logits = self._dense(self.config.num_labels, "classifier")(x)
         return out.replace(logits=logits.astype(jnp.float32))
 

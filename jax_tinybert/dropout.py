@@ -1,0 +1,67 @@
+"""Dropout that draws 16 random bits per element instead of 32.
+
+The student trains with dropout on every hidden state and on the attention probabilities
+([B, H, T, T] per layer); on CPU the threefry hash that makes the random bits is ~5% of a
+train step at T = 128 (benchmarks/RESULTS.md, "Dropout from 16-bit draws"). Each 32-bit word
+of threefry output here serves two elements: one keeps its low 16 bits, the next its high 16.
+
+The drop rate is then a multiple of 2^-16: rate r becomes t / 65536, t = round(r * 65536)
+(0.1 -> 0.10000610), and kept values are scaled by 65536 / (65536 - t), the exact inverse of
+the realised keep probability, so E[dropout(x)] = x as before. (`flax.linen.Dropout` draws a
+float32 uniform, whose 23-bit grid quantises the rate too, only more finely.) A rate that the
+16-bit grid cannot hold within 0.1% (below ~0.015, or not close to a multiple of 2^-16) takes
+the 32-bit path of `jax.random.bernoulli` instead.
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_GRID = 1 << 16
+_MAX_REL_ERR = 1e-3
+
+
+def grid_rate(rate: float) -> Tuple[int, float]:
+    """rate -> (t, t / 65536): the 16-bit drop threshold and the rate it realises."""
+    t = int(round(rate * _GRID))
+    return t, t / _GRID
+
+
+def keep_mask(key: jax.Array, rate: float, shape: Tuple[int, ...]) -> Tuple[jax.Array, float]:
+    """-> (bool[shape] mask of kept elements, scale for the kept ones = 1 / P(keep)).
+
+    Elements are independent: each 16-bit half of a threefry word decides one element."""
+    t, realised = grid_rate(rate)
+    if t <= 0 or t >= _GRID or abs(realised - rate) > _MAX_REL_ERR * rate:
+        keep = jax.random.bernoulli(key, 1.0 - rate, shape)
+        return keep, 1.0 / (1.0 - rate)
+    n = math.prod(shape)
+    if shape and shape[-1] % 2 == 0:
+        words = jax.random.bits(key, tuple(shape[:-1]) + (shape[-1] // 2,), jnp.uint32)
+        halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(shape)
+    else:
+        words = jax.random.bits(key, ((n + 1) // 2,), jnp.uint32)
+        halves = jnp.concatenate([words & 0xFFFF, words >> 16])[:n].reshape(shape)
+    return halves >= jnp.uint32(t), _GRID / (_GRID - t)
+
+
+class Dropout(nn.Module):
+    """Inverted dropout, as `flax.linen.Dropout` (rng collection "dropout"), 16 bits per element.
+
+    x [...] -> x with each element zeroed with probability ~`rate` (see the module docstring),
+    the others divided by the keep probability."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+        if deterministic or self.rate == 0.0:
+            return x
+        if self.rate >= 1.0:
+            return jnp.zeros_like(x)
+        keep, scale = keep_mask(self.make_rng("dropout"), self.rate, x.shape)
+        return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))

@@ -1,0 +1,85 @@
+"""Dropout from 16-bit draws (jax_tinybert/dropout.py) against the distribution it must have:
+drop rate t / 65536 (hand-computed), kept values scaled by the inverse keep probability,
+elements independent (also the two that share one 32-bit word), and flax's semantics for
+deterministic / rate 0 / rate 1 / the "dropout" rng collection."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_tinybert.dropout import Dropout, grid_rate, keep_mask
+
+
+def test_grid_rate_hand_computed():
+    # 0.1 * 65536 = 6553.6 -> 6554; 0.25 * 65536 = 16384 exactly.
+    assert grid_rate(0.1) == (6554, 6554 / 65536)
+    assert grid_rate(0.25) == (16384, 0.25)
+
+
+@pytest.mark.parametrize("shape", [(64, 12, 32, 32), (257, 311)])  # even / odd last dim
+def test_drop_rate_and_scale(shape):
+    key = jax.random.PRNGKey(0)
+    keep, scale = keep_mask(key, 0.1, shape)
+    keep = np.asarray(keep)
+    assert keep.shape == shape and keep.dtype == bool
+    p = 6554 / 65536
+    n = keep.size
+    dropped = n - keep.sum()
+    # Binomial(n, p): 5 standard deviations.
+    assert abs(dropped - n * p) < 5 * math.sqrt(n * p * (1 - p))
+    assert scale == pytest.approx(65536 / (65536 - 6554), rel=1e-12)
+
+
+def test_elements_sharing_a_word_are_independent():
+    # Even last dim: elements 2i and 2i+1 come from the low and high half of one word.
+    keep = np.asarray(keep_mask(jax.random.PRNGKey(1), 0.5, (1024, 1024))[0])
+    lo, hi = ~keep[:, 0::2], ~keep[:, 1::2]
+    n, p = lo.size, 0.5
+    both = (lo & hi).sum()
+    assert abs(both - n * p * p) < 5 * math.sqrt(n * p * p * (1 - p * p))
+    # And neighbours across words, for good measure.
+    across = (hi[:, :-1] & lo[:, 1:]).sum()
+    m = hi[:, :-1].size
+    assert abs(across - m * p * p) < 5 * math.sqrt(m * p * p * (1 - p * p))
+
+
+def test_rates_the_grid_cannot_hold_take_the_32_bit_path():
+    # 0.001 * 65536 = 65.5 -> 66 -> 0.001007: 0.7% off, beyond the 0.1% allowed.
+    keep, scale = keep_mask(jax.random.PRNGKey(2), 0.001, (2000, 1000))
+    dropped = keep.size - int(np.asarray(keep).sum())
+    n, p = keep.size, 0.001
+    assert abs(dropped - n * p) < 5 * math.sqrt(n * p * (1 - p))
+    assert scale == pytest.approx(1 / 0.999, rel=1e-12)
+
+
+def test_module_is_inverted_dropout():
+    x = jnp.asarray(np.random.RandomState(0).uniform(1, 2, (8, 16, 64)), jnp.float32)
+    rngs = {"dropout": jax.random.PRNGKey(3)}
+    y = np.asarray(Dropout(rate=0.1).apply({}, x, deterministic=False, rngs=rngs))
+    kept = y != 0
+    np.testing.assert_allclose(y[kept], np.asarray(x)[kept] * 65536 / (65536 - 6554), rtol=1e-6)
+    # The same key gives the same mask; another key another.
+    y2 = np.asarray(Dropout(rate=0.1).apply({}, x, deterministic=False, rngs=rngs))
+    np.testing.assert_array_equal(y, y2)
+    y3 = np.asarray(Dropout(rate=0.1).apply({}, x, deterministic=False,
+                                            rngs={"dropout": jax.random.PRNGKey(4)}))
+    assert (kept != (y3 != 0)).any()
+    # Expectation preserved: mean over many elements within sampling error.
+    big = jnp.ones((512, 1024), jnp.float32)
+    m = float(Dropout(rate=0.1).apply({}, big, deterministic=False, rngs=rngs).mean())
+    assert abs(m - 1.0) < 5 * math.sqrt(0.1 / 0.9 / big.size)
+
+
+def test_module_edge_cases():
+    x = jnp.ones((4, 6), jnp.bfloat16)
+    np.testing.assert_array_equal(Dropout(rate=0.1).apply({}, x, deterministic=True), x)
+    np.testing.assert_array_equal(
+        Dropout(rate=0.0).apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)}), x)
+    z = Dropout(rate=1.0).apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)})
+    assert z.dtype == jnp.bfloat16 and not np.asarray(z, np.float32).any()
+    y = Dropout(rate=0.1).apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)})
+    assert y.dtype == jnp.bfloat16
+    with pytest.raises(Exception, match="dropout"):   # no "dropout" rng given
+        Dropout(rate=0.1).apply({}, x, deterministic=False)
