@@ -181,3 +181,20 @@ def test_hlo_flops_falls_back_to_cpu_analysis():
             return low.compiler_ir(dialect)
 
     assert st.hlo_flops(low) == st.hlo_flops(NoCost()) == 2 * 64 * 32 * 16
+
+
+def test_ab_modeling_smoke(tmp_path):
+    """Both sides build and time the same step; baseline = HEAD's modeling.py via git show."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "ab_modeling.py"), "--smoke",
+                           "--baseline", "HEAD", "--stages", "cached_intermediate,pred",
+                           "--lengths", "8", "--rounds", "2", "--batch-size", "4",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [(r["stage"], r["T"]) for r in res["rows"]] == [("cached_intermediate", 8),
+                                                            ("pred", 8)]
+    for r in res["rows"]:
+        assert len(r["baseline_times"]) == len(r["tree_times"]) == 2
+        assert r["baseline_s"] > 0 and r["tree_s"] > 0

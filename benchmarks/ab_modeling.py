@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""A/B of two versions of `jax_tinybert/modeling.py` in one process, steps alternating.
+
+A change to the model's code (dropout, attention layout) moves a train step by 5-10%, less than
+the drift between two benchmark runs on a shared CPU. This script builds the same train step
+twice, once with the working tree's `modeling.py` and once with the file at git revision
+`--baseline`, and times them in alternating order (ABBA...) so that a change of machine load
+hits both alike; it prints the median of each and the median of the paired ratios.
+
+    .venv/bin/python benchmarks/ab_modeling.py --baseline HEAD~1 \
+        --stages cached_intermediate,intermediate,pred,finetune --lengths 64,128 --rounds 8
+
+Stages are those of benchmarks/step_throughput.py (MiniLM-L6 teacher, 4L-312 student, batch 32,
+student dropout on, teacher live) plus `cached_intermediate`: the intermediate step reading the
+teacher's attention and hidden states from the batch (what a run with the per-token teacher cache
+trains). Only `modeling.py` differs between the two sides; every other module is the working
+tree's, so the baseline file must import against it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# --smoke checks the wiring: cheaper XLA optimisation (as step_throughput.py --smoke), set
+# before JAX starts its backend.
+if __name__ == "__main__" and "--smoke" in sys.argv[1:] and \
+        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import step_throughput as st  # noqa: E402
+from jax_tinybert import build, modeling, plan  # noqa: E402
+from jax_tinybert import sharding as shd  # noqa: E402
+
+
+def load_baseline(rev: str):
+    """The module `jax_tinybert/modeling.py` as of git revision `rev`."""
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:jax_tinybert/modeling.py"],
+                         check=True, capture_output=True, text=True).stdout
+    fd, path = tempfile.mkstemp(suffix="_modeling_baseline.py")
+    with os.fdopen(fd, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("modeling_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    os.unlink(path)
+    return mod
+
+
+# Short names -> step_throughput's stage names (which are accepted as they are, too).
+STAGE_NAMES = {"intermediate": "tinybert_intermediate", "pred": "tinybert_pred"}
+
+
+def cpu_name() -> str:
+    """'model name (family F model M)' from /proc/cpuinfo: the CPU a timing belongs to."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                k, _, v = line.partition(":")
+                info.setdefault(k.strip(), v.strip())
+    except OSError:
+        return "unknown CPU"
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} " \
+           f"model {info.get('model', '?')}, {os.cpu_count()} cores)"
+
+
+def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
+    """-> [compiled step, state, teacher params, sharded batch, timings] built with `models`."""
+    build.BertForSequenceClassification, build.BertModel = models
+    hb = st.make_batch(scfg, batch_size, T)
+    if stage == "cached_intermediate":
+        obj_cfg = st.objective_cfg("tinybert_intermediate", scfg, tcfg)
+        config = plan.plan_config(objective="tinybert_intermediate", objective_cfg=obj_cfg,
+                                  optim_cfg=st.OPT_CFG)
+        obj = build.build_objective(config, scfg, tcfg)
+        mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+        r = np.random.RandomState(0)
+        hb["teacher_attn"] = r.standard_normal(
+            (batch_size, len(obj.teacher_attention_layers), tcfg.num_attention_heads, T, T)
+        ).astype(np.float32)
+        hb["teacher_hidden"] = 0.5 * r.standard_normal(
+            (batch_size, len(obj.teacher_hidden_layers), T, tcfg.hidden_size)).astype(np.float32)
+        hb.pop("labels")
+        built = build.build_step(config, student=build.student_module(config, scfg), teacher=None,
+                                 objective=obj, student_params=sparams, teacher_params=None,
+                                 mesh=mesh, total_steps=100)
+        state, batch, tp, step = built.init_state(sparams, 0), shd.shard_batch(hb, mesh), None, \
+            built.train_step
+    else:
+        case = st.Case(STAGE_NAMES.get(stage, stage), tcfg, tparams, scfg, sparams, student_dropout=True)
+        state, batch, tp, step = case.fresh_state(), case.shard(hb), case.teacher_params, case.step
+    compiled = step.lower(state, tp, batch).compile()
+    for _ in range(2):
+        state, _ = compiled(state, tp, batch)
+        jax.block_until_ready(state)
+    return [compiled, state, tp, batch, []]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline", default="HEAD~1", help="git revision of the A side's modeling.py")
+    p.add_argument("--stages", default="cached_intermediate,intermediate,pred,finetune")
+    p.add_argument("--lengths", default="64,128")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny random models (seconds): a check of the wiring, not a measurement")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args(argv)
+    base = load_baseline(args.baseline)
+    sides = {"baseline": (base.BertForSequenceClassification, base.BertModel),
+             "tree": (modeling.BertForSequenceClassification, modeling.BertModel)}
+    tcfg, tparams = st.load_teacher("minilm", smoke=args.smoke)
+    scfg = st.student_config("tinybert4", tcfg, smoke=args.smoke)
+    sparams = st._random_params(scfg, 2)
+    print(f"baseline = {args.baseline}, tree = working tree; {cpu_name()}", flush=True)
+    rows = []
+    for stage in args.stages.split(","):
+        for T in (int(x) for x in args.lengths.split(",")):
+            runs = {k: make_step(stage, T, m, tcfg, tparams, scfg, sparams, args.batch_size)
+                    for k, m in sides.items()}
+            for i in range(args.rounds):
+                for k in (("baseline", "tree") if i % 2 == 0 else ("tree", "baseline")):
+                    compiled, state, tp, batch, ts = runs[k]
+                    t0 = time.perf_counter()
+                    state, _ = compiled(state, tp, batch)
+                    jax.block_until_ready(state)
+                    ts.append(time.perf_counter() - t0)
+                    runs[k][1] = state
+            a, b = (statistics.median(runs[k][4]) for k in ("baseline", "tree"))
+            pairs = [x / y for x, y in zip(runs["baseline"][4], runs["tree"][4])]
+            print(f"{stage:20s} T={T:3d}: baseline {a:.3f} s  tree {b:.3f} s  speed-up {a / b:.3f}x"
+                  f"  paired median {statistics.median(pairs):.3f} "
+                  f"[{min(pairs):.2f}, {max(pairs):.2f}]", flush=True)
+            rows.append({"stage": stage, "T": T, "baseline_s": a, "tree_s": b,
+                         "speedup": a / b, "paired_median": statistics.median(pairs),
+                         "baseline_times": runs["baseline"][4], "tree_times": runs["tree"][4]})
+            del runs
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"baseline": args.baseline, "cpu": cpu_name(), "rounds": args.rounds,
+                       "batch_size": args.batch_size, "smoke": args.smoke, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
