@@ -28,6 +28,14 @@ import sys
 import tempfile
 import time
 
+# The glibc malloc settings of the Makefile, as step_throughput.py (set before Python starts).
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
+              "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()) \
+        and not os.environ.get("JTB_BENCH_REEXEC"):
+    os.execve(sys.executable, [sys.executable] + sys.argv,
+              dict(os.environ, JTB_BENCH_REEXEC="1", **MALLOC_ENV))
+
 # --smoke checks the wiring: cheaper XLA optimisation (as step_throughput.py --smoke), set
 # before JAX starts its backend.
 if __name__ == "__main__" and "--smoke" in sys.argv[1:] and \
