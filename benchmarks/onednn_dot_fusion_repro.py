@@ -13,8 +13,13 @@ followed by an elementwise op, runs fine. Every train step contains the failing 
 around it: the project leaves the flag off. `--xla_cpu_use_onednn=true` alone (no dot fusion)
 does not crash and did not change the matmul rate measurably on the machines tried.
 
-Reproduced with jaxlib 0.10.2 on an AMD EPYC (Zen 4, AVX-512 + bf16); issue 12 reports the same
-SIGILL of the full train step on an Intel Xeon (AVX-512). Each case runs in a child process:
+Reproduced with jaxlib 0.10.2 on an AMD EPYC (Zen 4, AVX-512 + bf16) and on an Intel Xeon
+(family 6 model 207, AVX-512 + bf16 + fp16): the same three cases die, the same two run. The
+fusion takes the producer into the oneDNN partition (the optimised HLO shows `multiply` and
+`dot` in one fusion), and putting `jax.lax.optimization_barrier` around the operand does not
+keep it out: still SIGILL. `--xla_cpu_experimental_onednn_custom_call=true` (the older matmul
+rewriter) leaves every dot to YNNPACK/Eigen in jaxlib 0.10.2. `benchmarks/xla_cpu_settings.py`
+times the train step under each dot library. Each case runs in a child process:
 
     .venv/bin/python benchmarks/onednn_dot_fusion_repro.py          # prints one line per case
 """

@@ -198,3 +198,36 @@ def test_ab_modeling_smoke(tmp_path):
     for r in res["rows"]:
         assert len(r["baseline_times"]) == len(r["tree_times"]) == 2
         assert r["baseline_s"] > 0 and r["tree_s"] > 0
+
+
+def test_xla_cpu_settings_smoke(tmp_path, monkeypatch, capsys):
+    """Each setting runs the step in its own child under its XLA_FLAGS; a child that dies is
+    reported as failed (here: a flag XLA does not know), never as a time."""
+    import xla_cpu_settings as xs
+
+    monkeypatch.setitem(xs.SETTINGS, "bogus", "--xla_cpu_no_such_flag_jtb=true")
+    out = tmp_path / "settings.json"
+    assert xs.main(["--smoke", "--settings", "eigen,bogus", "--rounds", "1",
+                    "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["settings"] == ["default", "eigen", "bogus"]  # default always first
+    assert res["flags"]["eigen"] == "--xla_cpu_experimental_ynn_fusion_type="
+    assert set(res["failed"]) == {"bogus"} and res["failed"]["bogus"]
+    # step_throughput --smoke times every stage at T=16 (tiny models)
+    assert sorted((r["stage"], r["T"]) for r in res["rows"]) == sorted((s, 16) for s in st.STAGES)
+    for row in res["rows"]:
+        assert set(row["median_s"]) == {"default", "eigen"}
+        assert all(s > 0 for s in row["median_s"].values())
+        assert row["speed_vs_default"]["default"] == pytest.approx(1.0)
+    assert set(res["matmul"]) == {"default", "eigen"}
+    text = capsys.readouterr().out
+    assert "| pred | 16 |" in text and "bogus: " in text
+
+
+def test_xla_cpu_settings_rejects_unknown_setting(capsys):
+    import xla_cpu_settings as xs
+
+    with pytest.raises(SystemExit) as e:
+        xs.main(["--settings", "default,eigne"])
+    assert e.value.code == 2
+    assert "unknown eigne" in capsys.readouterr().err
