@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 import step_throughput as st  # noqa: E402
 from jax_tinybert import build, modeling, plan  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
+from cpu_info import cpu_name  # noqa: E402
 
 
 def load_baseline(rev: str):
@@ -73,19 +74,6 @@ def load_baseline(rev: str):
 # Short names -> step_throughput's stage names (which are accepted as they are, too).
 STAGE_NAMES = {"intermediate": "tinybert_intermediate", "pred": "tinybert_pred"}
 
-
-def cpu_name() -> str:
-    """'model name (family F model M)' from /proc/cpuinfo: the CPU a timing belongs to."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                k, _, v = line.partition(":")
-                info.setdefault(k.strip(), v.strip())
-    except OSError:
-        return "unknown CPU"
-    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} " \
-           f"model {info.get('model', '?')}, {os.cpu_count()} cores)"
 
 
 def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):

@@ -31,6 +31,8 @@ import sys
 import tempfile
 from typing import Dict, List
 
+from cpu_info import cpu_name
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -115,18 +117,6 @@ def render(res: dict) -> str:
         lines.append(f"{n}: {why} (flags: {SETTINGS[n]})")
     return "\n".join(lines)
 
-
-def cpu_name() -> str:
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                k, _, v = line.partition(":")
-                info.setdefault(k.strip(), v.strip())
-    except OSError:
-        return "unknown CPU"
-    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} " \
-           f"model {info.get('model', '?')}, {os.cpu_count()} cores)"
 
 
 def main(argv=None) -> int:
