@@ -207,21 +207,34 @@ def test_xla_cpu_settings_smoke(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setitem(xs.SETTINGS, "bogus", "--xla_cpu_no_such_flag_jtb=true")
     out = tmp_path / "settings.json"
-    assert xs.main(["--smoke", "--settings", "eigen,bogus", "--rounds", "1",
-                    "--json", str(out)]) == 0
+    assert xs.main(["--smoke", "--settings", "bogus", "--rounds", "1", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["settings"] == ["default", "eigen", "bogus"]  # default always first
-    assert res["flags"]["eigen"] == "--xla_cpu_experimental_ynn_fusion_type="
+    assert res["settings"] == ["default", "bogus"]  # default always first
     assert set(res["failed"]) == {"bogus"} and res["failed"]["bogus"]
     # step_throughput --smoke times every stage at T=16 (tiny models)
     assert sorted((r["stage"], r["T"]) for r in res["rows"]) == sorted((s, 16) for s in st.STAGES)
     for row in res["rows"]:
-        assert set(row["median_s"]) == {"default", "eigen"}
-        assert all(s > 0 for s in row["median_s"].values())
-        assert row["speed_vs_default"]["default"] == pytest.approx(1.0)
-    assert set(res["matmul"]) == {"default", "eigen"}
+        assert set(row["median_s"]) == {"default"} and row["median_s"]["default"] > 0
+    assert set(res["matmul"]) == {"default"}
     text = capsys.readouterr().out
     assert "| pred | 16 |" in text and "bogus: " in text
+
+
+def test_xla_cpu_settings_summary_by_hand():
+    """Medians over rounds and speed against `default`, from hand-made child results."""
+    import xla_cpu_settings as xs
+
+    def child(times):
+        return {"results": [{"stage": "tinybert_pred", "length": 16, "s_per_step": t}
+                            for t in times]}
+    rows = xs.summarise({"default": [child([0.2]), child([0.6]), child([0.25])],
+                         "eigen": [child([0.5]), child([0.7])]})
+    [row] = rows
+    assert row["median_s"] == {"default": pytest.approx(0.25), "eigen": pytest.approx(0.6)}
+    assert row["speed_vs_default"]["eigen"] == pytest.approx(0.25 / 0.6)
+    text = xs.render({"cpu": "x", "rounds": 3, "settings": ["default", "eigen", "onednn_dot"],
+                      "failed": {"onednn_dot": "killed by SIGILL"}, "matmul": {}, "rows": rows})
+    assert "| pred | 16 | 0.250 | 0.600 | killed by SIGILL | 0.42x | - |" in text
 
 
 def test_xla_cpu_settings_rejects_unknown_setting(capsys):
