@@ -75,7 +75,6 @@ def load_baseline(rev: str):
 STAGE_NAMES = {"intermediate": "tinybert_intermediate", "pred": "tinybert_pred"}
 
 
-
 def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
     """-> [compiled step, state, teacher params, sharded batch, timings] built with `models`."""
     build.BertForSequenceClassification, build.BertModel = models

@@ -30,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import cpu_info  # noqa: E402
 from jax_tinybert import build, plan, teacher_cache  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
 from jax_tinybert import step as step_lib  # noqa: E402
@@ -135,7 +136,7 @@ def main(argv=None):
     else:
         tcfg = plan.bert_config(a.teacher, max_len=max(lengths))
         scfg = plan.bert_config(a.student, max_len=max(lengths))
-    out = {"cpu": _cpu(), "jax": jax.__version__, "backend": jax.default_backend(),
+    out = {"cpu": cpu_info.cpuinfo().get("model name", "unknown"), "jax": jax.__version__, "backend": jax.default_backend(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batch": a.batch,
            "stages": []}
     for s in a.stages.split(","):
@@ -147,17 +148,6 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from cpu_info import cpuinfo
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(_HERE)
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
@@ -442,21 +444,9 @@ def machine() -> dict:
                 cpu = line.split(":", 1)[1].strip()
     except OSError:
         pass
-    flags, ids = "", {}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                # "AMD EPYC" names Zen 4 and Zen 5 alike: family/model tell them apart.
-                if key in ("cpu family", "model") and key not in ids:
-                    ids[key] = value.strip()
-                if key == "flags":
-                    flags = line
-                    break
-    except OSError:
-        pass
-    feats = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in flags]
+    ids = cpuinfo()
+    flags = ids.get("flags", "").split()
+    feats = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     return {"cpu": cpu, "cpu_family": ids.get("cpu family"), "cpu_model": ids.get("model"),
             "nproc": os.cpu_count(), "features": feats, "python": platform.python_version()}
 

@@ -74,6 +74,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from cpu_info import cpuinfo  # noqa: E402
 from jax_tinybert import build, config_base  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
@@ -492,16 +493,10 @@ def nominal_peaks(device_kind: str) -> Optional[dict]:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+    ci = cpuinfo()
+    info = {"nproc": os.cpu_count(), "cpu": ci.get("model name", platform.processor()),
+            "cpu_family": ci.get("cpu family"), "cpu_model": ci.get("model"),
+            "python": platform.python_version(),
             "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None),
             "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
             "device_kind": jax.devices()[0].device_kind,

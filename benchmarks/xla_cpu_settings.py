@@ -53,7 +53,7 @@ def _csv(s: str) -> List[str]:
 
 def run_setting(name: str, args, out_json: str) -> dict:
     """One child process of step_throughput.py under setting `name` -> its results, or
-    {'failed': why} when the child exits non-zero (SIGILL named as such)."""
+    {'failed': why} when the child exits non-zero or is killed (the signal named)."""
     env = dict(os.environ)
     env.pop("JTB_BENCH_REEXEC", None)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SETTINGS[name]}".strip()
@@ -68,9 +68,7 @@ def run_setting(name: str, args, out_json: str) -> dict:
                           timeout=args.timeout)
     if proc.returncode != 0:
         rc = proc.returncode
-        sig = -rc if rc < 0 else (rc - 128 if rc > 128 else 0)
-        why = f"killed by {signal.Signals(sig).name}" if sig in (4, 6, 9, 11) \
-            else f"exit {rc}"
+        why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
         tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
         return {"failed": why, "stderr_tail": tail}
     with open(out_json) as fh:
@@ -116,7 +114,6 @@ def render(res: dict) -> str:
     for n, why in res["failed"].items():
         lines.append(f"{n}: {why} (flags: {SETTINGS[n]})")
     return "\n".join(lines)
-
 
 
 def main(argv=None) -> int:
