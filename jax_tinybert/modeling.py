@@ -183,6 +183,21 @@ def _dense_init(config: BertConfig):
     return nn.initializers.normal(stddev=config.initializer_range)
 
 
+class _FlatDense(nn.Dense):
+    """nn.Dense (same params, init and values) applied to [..., in] as one 2-D product
+    [N, in] x [in, out]. XLA's CPU backend turns the weight gradient of a 3-D `dot_general`
+    ([B, T, in] contracted over B and T) into transposed copies and a single-threaded dot;
+    the 2-D form's backward runs as plain matrix products (FFN fwd+bwd at B 32, T 64:
+    1.6-2x faster on CPU, identical results)."""
+
+    def __call__(self, inputs):
+        lead = inputs.shape[:-1]
+        if len(lead) <= 1:
+            return super().__call__(inputs)
+        y = super().__call__(inputs.reshape((-1, inputs.shape[-1])))
+        return y.reshape(lead + (self.features,))
+
+
 class _BertModule(nn.Module):
     """What every BERT sub-module shares: its config, compute dtype and parameter dtype, and
     the Dense / LayerNorm layers built from them (HF's init and epsilon)."""
@@ -192,8 +207,8 @@ class _BertModule(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     def _dense(self, features: int, name: str) -> nn.Dense:
-        return nn.Dense(features, kernel_init=_dense_init(self.config), dtype=self.dtype,
-                        param_dtype=self.param_dtype, name=name)
+        return _FlatDense(features, kernel_init=_dense_init(self.config), dtype=self.dtype,
+                          param_dtype=self.param_dtype, name=name)
 
     def _layer_norm(self, name: str = "LayerNorm") -> nn.LayerNorm:
         return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype,
@@ -250,7 +265,8 @@ class BertSelfAttention(_BertModule):
                                              name=n)(D) for n in ("query", "key", "value")))
         h, kernel, bias = nn.dtypes.promote_dtype(h, jnp.stack(kernels, axis=1),
                                                   jnp.stack(biases), dtype=self.dtype)
-        qkv = jax.lax.dot_general(h, kernel, (((2,), (0,)), ((), ()))) + bias   # [B, T, 3, D]
+        # As one 2-D product (see _FlatDense): [B*T, D] x [D, 3*D].
+        qkv = (h.reshape(B * T, D) @ kernel.reshape(D, 3 * D)).reshape(B, T, 3, D) + bias
         split = lambda x: x.reshape(B, T, c.num_attention_heads, c.head_dim)
         q, k, v = (split(qkv[:, :, i]) for i in range(3))
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
