@@ -44,6 +44,14 @@ SETTINGS: Dict[str, str] = {
     "xnnpack": "--xla_cpu_use_xnnpack=true --xla_cpu_experimental_ynn_fusion_type=",
     "onednn": "--xla_cpu_use_onednn=true",
     "onednn_dot": "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot",
+    # YNNPACK also for elementwise ops and reductions (its kernels use every core; XLA's own
+    # loop fusions run one thunk on one core).
+    "ynn_eltwise": "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce",
+    "xnn_graph": "--xla_cpu_use_xnnpack=true "
+                 "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
+    "vector512": "--xla_cpu_prefer_vector_width=512",
+    "fast_runtime": "--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_RUNTIME",
+    "fast_compile": "--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE",
 }
 
 

@@ -90,7 +90,10 @@ def project(params: Optional[dict], x: Array) -> Array:
     """x [..., d_in] -> x @ kernel + bias [..., d_out]; identity when params is None or {}."""
     if not params:
         return x
-    return x @ params["kernel"].astype(x.dtype) + params["bias"].astype(x.dtype)
+    k = params["kernel"].astype(x.dtype)
+    # One 2-D product (as modeling._FlatDense): a 3-D one's weight gradient is slow on CPU.
+    y = x.reshape((-1, x.shape[-1])) @ k
+    return y.reshape(x.shape[:-1] + (k.shape[1],)) + params["bias"].astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- attention
