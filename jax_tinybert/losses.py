@@ -23,6 +23,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jax_tinybert.modeling import matmul_rows
+
 Array = jax.Array
 
 MODES = ("masked", "tinybert")
@@ -90,10 +92,7 @@ def project(params: Optional[dict], x: Array) -> Array:
     """x [..., d_in] -> x @ kernel + bias [..., d_out]; identity when params is None or {}."""
     if not params:
         return x
-    k = params["kernel"].astype(x.dtype)
-    # One 2-D product (as modeling._FlatDense): a 3-D one's weight gradient is slow on CPU.
-    y = x.reshape((-1, x.shape[-1])) @ k
-    return y.reshape(x.shape[:-1] + (k.shape[1],)) + params["bias"].astype(x.dtype)
+    return matmul_rows(x, params["kernel"].astype(x.dtype)) + params["bias"].astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- attention

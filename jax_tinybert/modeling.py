@@ -183,6 +183,13 @@ def _dense_init(config: BertConfig):
     return nn.initializers.normal(stddev=config.initializer_range)
 
 
+def matmul_rows(x: Array, kernel: Array) -> Array:
+    """x [..., in] @ kernel [in, out] -> [..., out], computed as one 2-D product on the rows
+    [N, in] (see _FlatDense for why)."""
+    y = x.reshape((-1, x.shape[-1])) @ kernel
+    return y.reshape(x.shape[:-1] + (kernel.shape[1],))
+
+
 class _FlatDense(nn.Dense):
     """nn.Dense (same params, init and values) applied to [..., in] as one 2-D product
     [N, in] x [in, out]. XLA's CPU backend turns the weight gradient of a 3-D `dot_general`
@@ -268,7 +275,7 @@ class BertSelfAttention(_BertModule):
         # As one 2-D product (see _FlatDense): [B*T, D] x [D, 3*D]. Keeping the kernel's
         # middle axis ([B*T, D] x [D, 3, D]) was 1-6% slower on CPU; under a "model" mesh
         # axis the reshape costs a reshard of this layer's [D, 3*D] kernel per step.
-        qkv = (h.reshape(B * T, D) @ kernel.reshape(D, 3 * D)).reshape(B, T, 3, D) + bias
+        qkv = matmul_rows(h, kernel.reshape(D, 3 * D)).reshape(B, T, 3, D) + bias
         split = lambda x: x.reshape(B, T, c.num_attention_heads, c.head_dim)
         q, k, v = (split(qkv[:, :, i]) for i in range(3))
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
