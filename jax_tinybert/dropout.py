@@ -4,6 +4,8 @@ The student trains with dropout on every hidden state and on the attention proba
 ([B, H, T, T] per layer); on CPU the threefry hash that makes the random bits is ~5% of a
 train step at T = 128 (benchmarks/RESULTS.md, "Dropout from 16-bit draws"). Each 32-bit word
 of threefry output here serves two elements: one keeps its low 16 bits, the next its high 16.
+The words are JAX's own (`jax.random.bits`), computed by the hash written out as elementwise
+ops (`random_bits`), which XLA fuses into the mask: JAX lowers the hash on CPU as a while loop.
 
 The drop rate is then a multiple of 2^-16: rate r becomes t / 65536, t = round(r * 65536)
 (0.1 -> 0.10000610), and kept values are scaled by 65536 / (65536 - t), the exact inverse of
@@ -23,6 +25,48 @@ import jax.numpy as jnp
 
 _GRID = 1 << 16
 _MAX_REL_ERR = 1e-3
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _rotl(x: jax.Array, d: int) -> jax.Array:
+    return (x << jnp.uint32(d)) | (x >> jnp.uint32(32 - d))
+
+
+def _threefry_bits(key_data: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
+    """`jax.random.bits(key, shape, jnp.uint32)` of a threefry2x32 key (key_data uint32 [2]),
+    as JAX computes it with `jax_threefry_partitionable`: threefry2x32 of the element's
+    row-major index (hi word 0 below 2^32 elements), output words XORed.
+
+    The same hash written out in 20 rounds of elementwise ops: XLA fuses it into the mask's
+    computation, where JAX's CPU lowering of the hash is a rolled 5-step while loop per draw,
+    each step a few kernels over the whole array (at T = 32 the 14 draws of a TinyBERT4 step
+    took ~12% of it, and ~45% of its compile time)."""
+    k1, k2 = key_data[0], key_data[1]
+    ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
+    lo = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
+    for d in range(1, len(shape)):
+        lo = lo * jnp.uint32(shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, shape, d)
+    x0 = jnp.broadcast_to(ks[0], shape)
+    x1 = lo + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = _rotl(x1, r) ^ x0
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x0 ^ x1
+
+
+def random_bits(key: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
+    """uint32 [shape] random words, equal to `jax.random.bits(key, shape, jnp.uint32)`;
+    computed by `_threefry_bits` when that gives the same words (a threefry2x32 key, JAX's
+    partitionable threefry, fewer than 2^32 elements)."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if (not jax.config.jax_threefry_partitionable or math.prod(shape) >= 1 << 32
+            or (typed and str(jax.random.key_impl(key)) != "threefry2x32")
+            or (not typed and key.shape != (2,))):
+        return jax.random.bits(key, shape, jnp.uint32)
+    return _threefry_bits(jax.random.key_data(key) if typed else key, tuple(shape))
 
 
 def grid_rate(rate: float) -> Tuple[int, float]:
@@ -41,10 +85,10 @@ def keep_mask(key: jax.Array, rate: float, shape: Tuple[int, ...]) -> Tuple[jax.
         return keep, 1.0 / (1.0 - rate)
     n = math.prod(shape)
     if shape and shape[-1] % 2 == 0:
-        words = jax.random.bits(key, tuple(shape[:-1]) + (shape[-1] // 2,), jnp.uint32)
+        words = random_bits(key, tuple(shape[:-1]) + (shape[-1] // 2,))
         halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(shape)
     else:
-        words = jax.random.bits(key, ((n + 1) // 2,), jnp.uint32)
+        words = random_bits(key, ((n + 1) // 2,))
         halves = jnp.concatenate([words & 0xFFFF, words >> 16])[:n].reshape(shape)
     return halves >= jnp.uint32(t), _GRID / (_GRID - t)
 
