@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""A/B of two versions of `jax_tinybert/modeling.py` in one process, steps alternating.
+"""A/B of two versions of `jax_tinybert/modeling.py` (and its `dropout.py`) in one process,
+steps alternating.
 
 A change to the model's code (dropout, attention layout) moves a train step by 5-10%, less than
 the drift between two benchmark runs on a shared CPU. This script builds the same train step
@@ -13,8 +14,8 @@ hits both alike; it prints the median of each and the median of the paired ratio
 Stages are those of benchmarks/step_throughput.py (MiniLM-L6 teacher, 4L-312 student, batch 32,
 student dropout on, teacher live) plus `cached_intermediate`: the intermediate step reading the
 teacher's attention and hidden states from the batch (what a run with the per-token teacher cache
-trains). Only `modeling.py` differs between the two sides; every other module is the working
-tree's, so the baseline file must import against it.
+trains). Only `modeling.py` and `dropout.py` differ between the two sides; every other module
+is the working tree's, so the baseline files must import against it.
 """
 from __future__ import annotations
 
@@ -56,14 +57,11 @@ from jax_tinybert import sharding as shd  # noqa: E402
 from cpu_info import cpu_name  # noqa: E402
 
 
-def load_baseline(rev: str):
-    """The module `jax_tinybert/modeling.py` as of git revision `rev`."""
-    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:jax_tinybert/modeling.py"],
-                         check=True, capture_output=True, text=True).stdout
-    fd, path = tempfile.mkstemp(suffix="_modeling_baseline.py")
+def _load_source(name: str, src: str):
+    fd, path = tempfile.mkstemp(suffix=f"_{name}.py")
     with os.fdopen(fd, "w") as f:
         f.write(src)
-    spec = importlib.util.spec_from_file_location("modeling_baseline", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -71,12 +69,26 @@ def load_baseline(rev: str):
     return mod
 
 
+def load_baseline(rev: str):
+    """The module `jax_tinybert/modeling.py` as of git revision `rev`, using that revision's
+    `jax_tinybert/dropout.py` (the dropout masks' code is part of the model's step)."""
+    def show(path):
+        return subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"],
+                              check=True, capture_output=True, text=True).stdout
+
+    _load_source("dropout_baseline", show("jax_tinybert/dropout.py"))
+    src = show("jax_tinybert/modeling.py").replace("from jax_tinybert.dropout import",
+                                                   "from dropout_baseline import")
+    return _load_source("modeling_baseline", src)
+
+
 # Short names -> step_throughput's stage names (which are accepted as they are, too).
 STAGE_NAMES = {"intermediate": "tinybert_intermediate", "pred": "tinybert_pred"}
 
 
 def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
-    """-> [compiled step, state, teacher params, sharded batch, timings] built with `models`."""
+    """-> [compiled step, state, teacher params, sharded batch, timings, compile s] built with
+    `models`."""
     build.BertForSequenceClassification, build.BertModel = models
     hb = st.make_batch(scfg, batch_size, T)
     if stage == "cached_intermediate":
@@ -100,16 +112,18 @@ def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
     else:
         case = st.Case(STAGE_NAMES.get(stage, stage), tcfg, tparams, scfg, sparams, student_dropout=True)
         state, batch, tp, step = case.fresh_state(), case.shard(hb), case.teacher_params, case.step
+    t0 = time.perf_counter()
     compiled = step.lower(state, tp, batch).compile()
+    compile_s = time.perf_counter() - t0
     for _ in range(2):
         state, _ = compiled(state, tp, batch)
         jax.block_until_ready(state)
-    return [compiled, state, tp, batch, []]
+    return [compiled, state, tp, batch, [], compile_s]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--baseline", default="HEAD~1", help="git revision of the A side's modeling.py")
+    p.add_argument("--baseline", default="HEAD~1", help="git revision of the A side's modeling.py and dropout.py")
     p.add_argument("--stages", default="cached_intermediate,intermediate,pred,finetune")
     p.add_argument("--lengths", default="64,128")
     p.add_argument("--rounds", type=int, default=8)
@@ -132,7 +146,7 @@ def main(argv=None):
                     for k, m in sides.items()}
             for i in range(args.rounds):
                 for k in (("baseline", "tree") if i % 2 == 0 else ("tree", "baseline")):
-                    compiled, state, tp, batch, ts = runs[k]
+                    compiled, state, tp, batch, ts, _ = runs[k]
                     t0 = time.perf_counter()
                     state, _ = compiled(state, tp, batch)
                     jax.block_until_ready(state)
@@ -143,7 +157,11 @@ def main(argv=None):
             print(f"{stage:20s} T={T:3d}: baseline {a:.3f} s  tree {b:.3f} s  speed-up {a / b:.3f}x"
                   f"  paired median {statistics.median(pairs):.3f} "
                   f"[{min(pairs):.2f}, {max(pairs):.2f}]", flush=True)
+            print(f"{'':20s}        compile: baseline {runs['baseline'][5]:.1f} s  tree "
+                  f"{runs['tree'][5]:.1f} s", flush=True)
             rows.append({"stage": stage, "T": T, "baseline_s": a, "tree_s": b,
+                         "baseline_compile_s": runs["baseline"][5],
+                         "tree_compile_s": runs["tree"][5],
                          "speedup": a / b, "paired_median": statistics.median(pairs),
                          "baseline_times": runs["baseline"][4], "tree_times": runs["tree"][4]})
             del runs

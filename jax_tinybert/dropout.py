@@ -5,7 +5,7 @@ The student trains with dropout on every hidden state and on the attention proba
 train step at T = 128 (benchmarks/RESULTS.md, "Dropout from 16-bit draws"). Each 32-bit word
 of threefry output here serves two elements: one keeps its low 16 bits, the next its high 16.
 The words are JAX's own (`jax.random.bits`), computed by the hash written out as elementwise
-ops (`random_bits`), which XLA fuses into the mask: JAX lowers the hash on CPU as a while loop.
+ops (`prng.py`), which XLA fuses into the mask: JAX lowers the hash on CPU as a while loop.
 
 The drop rate is then a multiple of 2^-16: rate r becomes t / 65536, t = round(r * 65536)
 (0.1 -> 0.10000610), and kept values are scaled by 65536 / (65536 - t), the exact inverse of
@@ -23,50 +23,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_tinybert import prng
+
 _GRID = 1 << 16
 _MAX_REL_ERR = 1e-3
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-
-
-def _rotl(x: jax.Array, d: int) -> jax.Array:
-    return (x << jnp.uint32(d)) | (x >> jnp.uint32(32 - d))
-
-
-def _threefry_bits(key_data: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
-    """`jax.random.bits(key, shape, jnp.uint32)` of a threefry2x32 key (key_data uint32 [2]),
-    as JAX computes it with `jax_threefry_partitionable`: threefry2x32 of the element's
-    row-major index (hi word 0 below 2^32 elements), output words XORed.
-
-    The same hash written out in 20 rounds of elementwise ops: XLA fuses it into the mask's
-    computation, where JAX's CPU lowering of the hash is a rolled 5-step while loop per draw,
-    each step a few kernels over the whole array (at T = 32 the 14 draws of a TinyBERT4 step
-    took ~12% of it, and ~45% of its compile time)."""
-    k1, k2 = key_data[0], key_data[1]
-    ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
-    lo = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
-    for d in range(1, len(shape)):
-        lo = lo * jnp.uint32(shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, shape, d)
-    x0 = jnp.broadcast_to(ks[0], shape)
-    x1 = lo + ks[1]
-    for i in range(5):
-        for r in _ROTATIONS[i % 2]:
-            x0 = x0 + x1
-            x1 = _rotl(x1, r) ^ x0
-        x0 = x0 + ks[(i + 1) % 3]
-        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
-    return x0 ^ x1
 
 
 def random_bits(key: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
-    """uint32 [shape] random words, equal to `jax.random.bits(key, shape, jnp.uint32)`;
-    computed by `_threefry_bits` when that gives the same words (a threefry2x32 key, JAX's
-    partitionable threefry, fewer than 2^32 elements)."""
+    """uint32 [shape] random words, equal to `jax.random.bits(key, shape, jnp.uint32)`; for a
+    threefry2x32 key computed by `prng.threefry_bits`, which XLA fuses into the mask."""
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    if (not jax.config.jax_threefry_partitionable or math.prod(shape) >= 1 << 32
-            or (typed and str(jax.random.key_impl(key)) != "threefry2x32")
-            or (not typed and key.shape != (2,))):
-        return jax.random.bits(key, shape, jnp.uint32)
-    return _threefry_bits(jax.random.key_data(key) if typed else key, tuple(shape))
+    impl = str(jax.random.key_impl(key)) if typed else jax.config.jax_default_prng_impl
+    if (impl == "threefry2x32" and jax.config.jax_threefry_partitionable
+            and math.prod(shape) < 1 << 32 and (typed or key.shape == (2,))):
+        return prng.threefry_bits(jax.random.key_data(key) if typed else key, tuple(shape))
+    return jax.random.bits(key, shape, jnp.uint32)
 
 
 def grid_rate(rate: float) -> Tuple[int, float]:
