@@ -104,3 +104,34 @@ def test_module_edge_cases():
     assert y.dtype == jnp.bfloat16
     with pytest.raises(Exception, match="dropout"):   # no "dropout" rng given
         Dropout(rate=0.1).apply({}, x, deterministic=False)
+
+
+_SHARDED = r'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax_tinybert.dropout import Dropout
+x = jnp.asarray(np.random.RandomState(0).uniform(1, 2, (16, 12, 8, 8)), jnp.float32)
+f = jax.jit(lambda x, k: Dropout(rate=0.1).apply({}, x, deterministic=False, rngs={"dropout": k}))
+key = jax.random.fold_in(jax.random.key(5), 3)
+one = np.asarray(f(x, key))
+mesh = Mesh(np.asarray(jax.devices()).reshape(8), ("data",))
+xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+eight = f(xs, key)
+assert len(eight.sharding.device_set) == 8
+np.testing.assert_array_equal(np.asarray(eight), one)
+print("same")
+'''
+
+
+def test_masks_do_not_depend_on_the_batch_sharding():
+    # The words come from each element's global index, as JAX's partitionable threefry: a
+    # batch split over 8 devices gets the masks one device gets.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "same" in out.stdout, out.stderr[-2000:]
