@@ -184,7 +184,8 @@ def test_hlo_flops_falls_back_to_cpu_analysis():
 
 
 def test_ab_modeling_smoke(tmp_path):
-    """Both sides build and time the same step; baseline = HEAD's modeling.py via git show."""
+    """Both sides build and time the same step; baseline = HEAD's modeling.py and dropout.py via
+    git show."""
     out = tmp_path / "ab.json"
     proc = subprocess.run([sys.executable, str(BENCH / "ab_modeling.py"), "--smoke",
                            "--baseline", "HEAD", "--stages", "cached_intermediate,pred",
@@ -198,6 +199,7 @@ def test_ab_modeling_smoke(tmp_path):
     for r in res["rows"]:
         assert len(r["baseline_times"]) == len(r["tree_times"]) == 2
         assert r["baseline_s"] > 0 and r["tree_s"] > 0
+        assert r["baseline_compile_s"] > 0 and r["tree_compile_s"] > 0
 
 
 def test_xla_cpu_settings_smoke(tmp_path, monkeypatch, capsys):
