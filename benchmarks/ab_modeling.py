@@ -77,9 +77,10 @@ def load_baseline(rev: str):
                               check=True, capture_output=True, text=True).stdout
 
     _load_source("dropout_baseline", show("jax_tinybert/dropout.py"))
-    src = show("jax_tinybert/modeling.py").replace("from jax_tinybert.dropout import",
-                                                   "from dropout_baseline import")
-    return _load_source("modeling_baseline", src)
+    src, line = show("jax_tinybert/modeling.py"), "from jax_tinybert.dropout import"
+    if line not in src:  # else the baseline would silently use the tree's dropout.py
+        raise SystemExit(f"--baseline {rev}: its modeling.py has no '{line}' line to redirect")
+    return _load_source("modeling_baseline", src.replace(line, "from dropout_baseline import"))
 
 
 # Short names -> step_throughput's stage names (which are accepted as they are, too).
