@@ -160,7 +160,7 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
     """Tokenized train/dev sets and their batchers (GLUE TSV / HF / synthetic, or a corpus)."""
     dc = config.data
     cache_dir = dc.cache_dir or os.path.join(workdir, "cache")
-    tok = tokenize.load_tokenizer(tokenizer_dir)
+    tok = tokenize.load_data_tokenizer(tokenizer_dir)
     gb = config.train.batch_size
     seed = config.train.seed
     if dc.kind == "corpus":

@@ -481,7 +481,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     """
     ds = data.train_dataset
     n = len(ds)
-    tok = tokenize.load_tokenizer(models.tokenizer_dir)
+    tok = tokenize.load_data_tokenizer(models.tokenizer_dir)
     fingerprint = {
         "teacher": params_fingerprint(models.teacher_params),
         "teacher_model": f"{type(models.teacher).__name__}:"

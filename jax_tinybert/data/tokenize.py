@@ -12,12 +12,13 @@ import dataclasses
 import hashlib
 import io
 import logging
+import os
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.data import glue
+from jax_tinybert.data import glue, wordpiece
 from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,16 @@ def load_tokenizer(path_or_name: str):
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"{path_or_name}: need a fast (Rust) tokenizer; got {type(tok).__name__}")
     return tok
+
+
+def load_data_tokenizer(path_or_name: str):
+    """The tokenizer for batches of ids: `wordpiece.load` (no transformers import, ~4 s less
+    per run) where it reproduces `load_tokenizer(path_or_name)` exactly, else that."""
+    if not fs.is_remote(path_or_name) and os.path.isdir(path_or_name):
+        tok = wordpiece.load(path_or_name)
+        if tok is not None:
+            return tok
+    return load_tokenizer(path_or_name)
 
 
 @dataclasses.dataclass
