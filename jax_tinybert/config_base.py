@@ -97,7 +97,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict(dict(
         batch_size=32, num_epochs=3.0, num_steps=0,   # num_steps > 0 overrides epochs
         grad_accum=1, seed=0, log_every=20, eval_every=0,  # 0 = at the end of each epoch
-        eval_batch_size=64, checkpoint_every=200, max_to_keep=2))
+        eval_batch_size=64, checkpoint_every=200, max_to_keep=2,
+        # Compile the step of every length bucket ahead, in a background thread (precompile.py).
+        compile_ahead=True))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1, fsdp_min_size=16384))
     c.export = ml_collections.ConfigDict(dict(enabled=True))
     return c

@@ -17,18 +17,26 @@ import sys
 def _early_env() -> None:
     # Must happen before JAX is imported: device count and allocator flags are read at start.
     n = os.environ.get("JTB_CPU_DEVICES")
+    # jax_tinybert/__init__.py imports jax (the model classes) before this module runs, and jax
+    # reads its JAX_* variables at import: what is set here must also go to jax.config (XLA_FLAGS
+    # are read later, when the backend starts).
+    to_jax = {}
     if n:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if "JAX_PLATFORMS" not in os.environ:
+            os.environ["JAX_PLATFORMS"] = to_jax["jax_platforms"] = "cpu"
     # Persistent XLA compilation cache: every stage, resumed run and later epoch of the same
-    # shapes reuses the compiled steps (one compilation per bucket costs ~15-25 s on 2 CPU
+    # shapes reuses the compiled steps (one compilation per bucket costs ~5-9 s on 2 CPU
     # cores). JTB_COMPILE_CACHE=off disables it; JAX_COMPILATION_CACHE_DIR picks the folder.
     if os.environ.get("JTB_COMPILE_CACHE", "").lower() not in ("0", "off", "false", "no"):
         root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                              os.path.join(root, "jax_tinybert", "xla"))
+        to_jax["jax_compilation_cache_dir"] = os.environ.setdefault(
+            "JAX_COMPILATION_CACHE_DIR", os.path.join(root, "jax_tinybert", "xla"))
+    if "jax" in sys.modules:
+        for name, value in to_jax.items():
+            sys.modules["jax"].config.update(name, value)
 
 
 _early_env()

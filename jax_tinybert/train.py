@@ -10,6 +10,7 @@ exit code 143, and rerunning the same command resumes.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -21,7 +22,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_tinybert import build, fs
+from jax_tinybert import build, fs, precompile
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
@@ -35,6 +36,8 @@ from jax_tinybert.metrics_writer import MetricsWriter
 from jax_tinybert.modeling import count_params
 from jax_tinybert.preemption import Preempted, Preemption  # noqa: F401 (main.py: train.Preempted)
 from jax_tinybert.progress import Progress
+
+logger = logging.getLogger(__name__)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, Any]:
@@ -77,18 +80,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     log.last = dict(past.get("last_train", {}))
     eval_every = config.train.eval_every or run.data.train_batches.steps_per_epoch
     fingerprint = config_fingerprint(config)[0]
+    compiler = precompile.Compiler() if config.train.compile_ahead else None
+    train_step, eval_step = _steps(run, compiler, start_step)
     # The SIGTERM handler must not outlive this stage when it stops early (Preempted) or fails:
     # library callers (pipeline, benchmarks) run several stages in one process.
     try:
         step = start_step
         while step < run.total_steps:
             batch = next(run.data.train_batches)
-            if run.cache is not None:
-                batch.update(run.cache.lookup(batch["example_id"],
-                                              seq_len=batch["input_ids"].shape[1]))
-            feed = {k: v for k, v in batch.items() if k != "example_id"}
-            state, metrics = run.step.train_step(state, run.teacher_params,
-                                                 shd.shard_batch(feed, run.mesh))
+            state, metrics = train_step(state, run.teacher_params, _feed(run, batch))
             step += 1
             log.step(step, batch, metrics)
             meta = {"data": run.data.train_batches.state_dict(), "best": best,
@@ -96,7 +96,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
                     "history": {"eval_history": history, "last_train": log.last,
                                 "wall_s": wall_before + time.time() - t_start}}
             if run.evaluates and (step % eval_every == 0 or step == run.total_steps):
-                ev = evaluate(run.step.eval_step, state.params["student"], run.data, run.mesh)
+                ev = evaluate(eval_step, state.params["student"], run.data, run.mesh)
                 improved = ckpt.is_better(ev["main"])   # the one definition of "best"
                 best = _record_eval(step, ev, best, improved, writer, history)
                 meta["best"] = best
@@ -111,6 +111,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         raise
     finally:
         preemption.uninstall()
+        if compiler is not None:
+            compiler.close()
+            logger.info("steps run by programs compiled ahead: train %d of %d, eval %d of %d",
+                         train_step.hits, train_step.hits + train_step.misses,
+                         *((eval_step.hits, eval_step.hits + eval_step.misses)
+                           if eval_step is not None else (0, 0)))
 
     # ----------------------------------------------------------------- finish
     final_params, export_step = _best_params(ckpt, run, state, best, step)
@@ -273,6 +279,51 @@ def _best_params(ckpt: Checkpointer, run: build.Run, state, best: Optional[dict]
             print(f"the best checkpoint (step {best['step']}) is damaged or missing: "
                   f"exporting the final state (step {step}) instead", flush=True)
     return state.params["student"], step
+
+
+def _feed(run: build.Run, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+    """A batcher's batch -> the train step's sharded batch (the teacher cache's fields added to
+    `batch` too)."""
+    if run.cache is not None:
+        batch.update(run.cache.lookup(batch["example_id"], seq_len=batch["input_ids"].shape[1]))
+    return shd.shard_batch({k: v for k, v in batch.items() if k != "example_id"}, run.mesh)
+
+
+def _first_of_each_length(seq_lens: np.ndarray) -> np.ndarray:
+    """Indices of the first step of each distinct length, in the order they come."""
+    _, first = np.unique(seq_lens, return_index=True)
+    return np.sort(first)
+
+
+def _steps(run: build.Run, compiler: Optional[precompile.Compiler], start_step: int):
+    """-> (train_step, eval_step): the run's jitted steps, or with a compiler, the same steps
+    with the program of every bucket that the steps left and the evaluations meet queued for
+    compiling ahead (precompile.py), train buckets in the order they come, then eval's."""
+    if compiler is None:
+        return run.step.train_step, run.step.eval_step
+    train_step = compiler.wrap(run.step.train_step, "train step")
+    batches, state_abs = run.data.train_batches, run.step.abstract_state
+    left, epoch, pos = run.total_steps - start_step, batches.epoch, batches.step
+    seen = set()
+    while left > 0 and len(seen) < len(batches.buckets):
+        if pos >= batches.steps_per_epoch:
+            epoch, pos = epoch + 1, 0
+        lens = batches.epoch_plan(epoch).seq_lens[pos:pos + left]
+        for i in _first_of_each_length(lens):
+            if int(lens[i]) not in seen:
+                seen.add(int(lens[i]))
+                sample = batches.batch_at(epoch, pos + int(i))
+                train_step.submit(state_abs, run.teacher_params, _feed(run, sample))
+        left, pos = left - len(lens), pos + len(lens)
+    if not run.evaluates:
+        return train_step, None
+    eval_step = compiler.wrap(run.step.eval_step, "eval step")
+    ev = run.data.eval_batches
+    for i in _first_of_each_length(ev.epoch_plan(0).seq_lens):
+        sample = ev.batch_at(0, int(i))
+        eval_step.submit(state_abs.params["student"],
+                         shd.shard_batch({k: sample[k] for k in step_lib.MODEL_KEYS}, run.mesh))
+    return train_step, eval_step
 
 
 def evaluate(eval_fn, params, data: build.Data, mesh) -> Dict[str, float]:

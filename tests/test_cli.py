@@ -189,3 +189,35 @@ def test_help_lists_stages_configs_variants_and_fields(cli, how):
     assert "--config.objective.layer_map=0:0,1:2,2:3,3:5,4:6" in out
     assert "jax-tinybert --config=configs/finetune_teacher.py:sst2 --workdir=runs/sst2/teacher" \
         in out                                                 # an example
+
+
+def _env_without(*names, **extra):
+    env = {k: v for k, v in tiny_run.env().items() if k not in names}
+    env.update(extra)
+    return env
+
+
+def test_cli_environment_defaults_reach_jax(tmp_path):
+    # jax_tinybert/__init__.py imports jax before main.py sets its defaults, and jax reads its
+    # JAX_* variables at import: the compile cache was once silently off for every CLI run.
+    code = ("import jax_tinybert.main, jax; c = jax.config; "
+            "print(c.jax_compilation_cache_dir, c.jax_platforms, jax.device_count())")
+    env = _env_without("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS", "JTB_COMPILE_CACHE",
+                       "XLA_FLAGS", XDG_CACHE_HOME=str(tmp_path), JTB_CPU_DEVICES="3")
+    r = subprocess.run([tiny_run.PYTHON, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.split() == [str(tmp_path / "jax_tinybert" / "xla"), "cpu", "3"], r.stderr
+    r = subprocess.run([tiny_run.PYTHON, "-c", code], cwd=REPO, env=dict(
+        env, JTB_COMPILE_CACHE="off"), capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["None", "cpu", "3"], r.stderr
+
+
+def test_a_cli_run_fills_the_default_compile_cache(cli, tmp_path):
+    d, _ = cli
+    env = _env_without("JAX_COMPILATION_CACHE_DIR", "JTB_COMPILE_CACHE",
+                       XDG_CACHE_HOME=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    args = _with(FINETUNE, [f"--workdir={tmp_path / 'run'}"])
+    r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.main", *args], cwd=d, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(list((tmp_path / "jax_tinybert" / "xla").iterdir())) >= 2   # train + eval steps

@@ -1,0 +1,81 @@
+"""Jitted steps compiled ahead for the shapes a run will meet, in a background thread.
+
+A jitted step compiles one program per length bucket when the bucket's first batch arrives,
+and training waits meanwhile: six buckets of the prediction step are ~40 s of a 340 s SST-2
+epoch on a 2-core Xeon. XLA's compiler keeps only ~1.35 of the 2 cores busy, and training
+leaves gaps too (host work between steps), so the same programs compiled by a worker thread
+while the main thread trains cost the run ~2 s less each (measured in session 14).
+
+`Compiler()` owns the worker (one thread: programs compile one at a time, in the order they
+were submitted); `compiler.wrap(jitted)` gives an `Ahead`, the jitted function wrapped: `submit(*args)` queues `jitted.lower(*args).compile()`
+(the very function that trains, as MaxText's train_compile does; args may be abstract
+ShapeDtypeStructs with shardings), and calling it runs the executable compiled for the call's
+shapes. Programs are told apart by the last argument (the batch); the others (state, params)
+must have the same shapes and shardings in every call, as a train or eval step's do. A call whose program the worker has not started yet compiles it here and now, through
+the jitted function, as does a shape never submitted or whose compile failed (so any error is
+raised where it always was).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from typing import Any, Callable, Dict
+
+import jax
+
+log = logging.getLogger(__name__)
+
+
+def signature(batch: Any) -> tuple:
+    """The pytree structure, shapes, dtypes and shardings of `batch` (arrays or
+    ShapeDtypeStructs): what picks a compiled program."""
+    leaves, tree = jax.tree_util.tree_flatten(batch)
+    return (tree,) + tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
+                           for x in leaves)
+
+
+class Compiler:
+    """One worker thread compiling programs ahead, in the order they were submitted."""
+
+    def __init__(self):
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jtb-compile")
+
+    def wrap(self, jitted: Callable, name: str = "step") -> "Ahead":
+        return Ahead(jitted, name, self._pool)
+
+    def close(self) -> None:
+        """Drops the programs not started; one being compiled finishes in its thread."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Ahead:
+    """`jitted` with programs compiled ahead by a Compiler's worker (see the module docstring)."""
+
+    def __init__(self, jitted: Callable, name: str, pool: cf.ThreadPoolExecutor):
+        self.jitted, self.name, self._pool = jitted, name, pool
+        self._programs: Dict[tuple, cf.Future] = {}
+        self.hits = self.misses = 0   # calls run by an executable compiled ahead / by jitted
+
+    def submit(self, *args) -> None:
+        """Queues the compilation of the program for `args` (one per distinct signature)."""
+        key = signature(args[-1])
+        if key not in self._programs:
+            self._programs[key] = self._pool.submit(lambda: self.jitted.lower(*args).compile())
+
+    def __call__(self, *args):
+        fut = self._programs.get(signature(args[-1]))
+        compiled = None
+        if fut is not None and not fut.cancel():   # running or done: wait for it
+            try:
+                compiled = fut.result()
+            except Exception as e:   # noqa: BLE001 - the jitted call below raises it properly
+                log.warning("%s: compiling ahead failed (%s); compiling in the step", self.name,
+                            e)
+        if compiled is None:
+            self.misses += 1
+            return self.jitted(*args)
+        self.hits += 1
+        return compiled(*args)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)

@@ -1,0 +1,98 @@
+"""precompile.Ahead: programs compiled in the worker run the calls, with the jitted function's
+results; whatever the worker has not done (a shape never submitted, a program not started, a
+compile that failed) goes through the jitted function, errors included; and a training run
+compiling ahead gives the same run as one compiling in the step."""
+import logging
+import re
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import run_files, tiny_run
+from jax_tinybert import precompile, train
+
+
+def _f(w, batch):
+    if batch["x"].shape[0] == 3:
+        raise ValueError("no batches of 3")
+    return w * jnp.tanh(batch["x"]).sum(0)
+
+
+def _batch(n):
+    return {"x": jnp.arange(n * 4, dtype=jnp.float32).reshape(n, 4) / 7}
+
+
+def test_calls_run_the_programs_compiled_ahead():
+    jitted = jax.jit(_f)
+    compiler = precompile.Compiler()
+    f = compiler.wrap(jitted, "f")
+    w = jnp.float32(1.5)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    f.submit(w, {"x": jax.ShapeDtypeStruct((5, 4), jnp.float32, sharding=one)})   # abstract
+    f.submit(w, _batch(5))   # the same signature: not compiled twice
+    f.submit(w, _batch(2))
+    assert len(f._programs) == 2
+    for n in (5, 2, 5, 6):
+        got = f(w, _batch(n))
+        np.testing.assert_array_equal(got, jitted(w, _batch(n)))
+        np.testing.assert_allclose(got, 1.5 * np.tanh(np.asarray(_batch(n)["x"])).sum(0),
+                                   rtol=1e-6)
+    assert (f.hits, f.misses) == (3, 1)   # 6 was never submitted
+    compiler.close()
+
+
+def test_a_failed_compile_raises_in_the_call(caplog):
+    f = precompile.Compiler().wrap(jax.jit(_f), "f")
+    f.submit(1.0, _batch(3))
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.precompile"):
+        with pytest.raises(ValueError, match="no batches of 3"):
+            f(1.0, _batch(3))
+    assert "compiling ahead failed" in caplog.text
+
+
+def test_a_program_not_started_is_compiled_in_the_call():
+    release = threading.Event()
+
+    def slow(w, batch):
+        release.wait(60)   # holds the worker inside this trace
+        return w * batch["x"].sum()
+
+    compiler = precompile.Compiler()
+    blocker = compiler.wrap(jax.jit(slow), "slow")
+    f = compiler.wrap(jax.jit(_f), "f")
+    blocker.submit(1.0, _batch(2))
+    f.submit(2.0, _batch(4))   # queued behind it
+    np.testing.assert_allclose(f(2.0, _batch(4)), 2 * np.tanh(np.asarray(_batch(4)["x"])).sum(0),
+                               rtol=1e-6)
+    assert (f.hits, f.misses) == (0, 1)
+    release.set()
+    assert float(blocker(1.0, _batch(2))) == pytest.approx(float(_batch(2)["x"].sum()))
+    assert blocker.hits == 1
+    compiler.close()
+
+
+def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
+    teacher = tiny_run.tiny_teacher(tmp_path / "teacher")
+    runs = {}
+    for ahead in (False, True):
+        c = run_files.config("finetune_teacher.py", "sst2")
+        c.teacher.path = teacher
+        c.data.kind, c.data.synthetic_train, c.data.synthetic_eval = "synthetic", 96, 40
+        c.data.max_len, c.data.buckets = 32, (8, 16, 32)
+        c.data.cache_dir = str(tmp_path / "cache")
+        c.train.update(batch_size=8, num_steps=10, log_every=1, eval_every=5,
+                       eval_batch_size=8, compile_ahead=ahead)
+        c.export.enabled = False
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="jax_tinybert.train"):
+            train.train_and_evaluate(c, str(tmp_path / f"w{ahead}"))
+        runs[ahead] = [{k: v for k, v in r.items() if k != "time" and not k.endswith("_per_s")}
+                       for r in run_files.records(str(tmp_path / f"w{ahead}"), "train")
+                       + run_files.records(str(tmp_path / f"w{ahead}"), "eval")]
+    assert runs[True] == runs[False] and len(runs[True]) >= 12
+    # Every step and every dev batch ran a program compiled ahead.
+    m = re.search(r"compiled ahead: train (\d+) of 10, eval (\d+) of (\d+)", caplog.text)
+    assert m and m[1] == "10" and m[2] == m[3] != "0", caplog.text
