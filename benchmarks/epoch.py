@@ -72,8 +72,10 @@ def _env() -> Dict[str, str]:
         env["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_CACHE[0]
     if _TEACHER_STORE:
         # Empty at the start too: the teacher outputs a stage finds there were computed by an
-        # earlier stage of this run (the intermediate stage's per-token build), as a user's are.
+        # earlier stage of this run (the intermediate stage's per-token build), as a user's are;
+        # so are the tokenised splits (the first stage tokenizes).
         env["JTB_TEACHER_STORE"] = _TEACHER_STORE[0]
+        env["JTB_TOKEN_STORE"] = os.path.join(os.path.dirname(_TEACHER_STORE[0]), "token_store")
     return env
 
 
@@ -198,15 +200,17 @@ def run_ours(args, task: str, root: str) -> Dict[str, dict]:
                               os.path.join(root, "pred.log"))
         _report("pred", out["pred"])
         if args.standalone_pred:
-            # The same stage with the teacher store off: it runs the teacher over the train set
-            # itself (what a prediction stage costs without an intermediate stage before it),
-            # and with an empty compile cache of its own (the run above filled the shared one).
+            # The same stage with the teacher and token stores off: it runs the teacher over the
+            # train set itself (what a prediction stage costs without an intermediate stage
+            # before it), and with an empty compile cache of its own (the run above filled the
+            # shared one).
             fresh = os.path.join(root, "xla_cache_standalone")
             shutil.rmtree(fresh, ignore_errors=True)
             out["pred_standalone"] = run_cli(
                 f"configs/task_distill.py:{task}_pred", pred + "_standalone", ov,
                 os.path.join(root, "pred_standalone.log"),
-                env={"JTB_TEACHER_STORE": "off", "JAX_COMPILATION_CACHE_DIR": fresh})
+                env={"JTB_TEACHER_STORE": "off", "JTB_TOKEN_STORE": "off",
+                     "JAX_COMPILATION_CACHE_DIR": fresh})
             _report("pred, standalone", out["pred_standalone"])
     return out
 
@@ -510,6 +514,7 @@ def main(argv=None):
     store = os.path.join(args.scratch, "teacher_store")
     shutil.rmtree(store, ignore_errors=True)
     _TEACHER_STORE.append(store)
+    shutil.rmtree(os.path.join(args.scratch, "token_store"), ignore_errors=True)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["benchmarks/epoch.py"] + (argv or sys.argv[1:])),
            "machine": machine(), "load_start": _loadavg(), "tasks": {}}

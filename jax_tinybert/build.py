@@ -186,7 +186,7 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
     load = lambda split, n, subset_seed, path=None: tokenize.load_glue_encoded(
         spec, split, tok, dc.max_len, glue_dir=glue_dir or None, path=path,
         cache_dir=cache_dir if dc.source == "tsv" else None, skip_bad_rows=dc.skip_bad_rows,
-        source=dc.source, subset=n, subset_seed=subset_seed)
+        source=dc.source, subset=n, subset_seed=subset_seed, store_dir=tokenize.token_store())
     train_ds = load("train", dc.train_subset, seed, dc.train_file or None)
     eval_ds = load(spec.eval_splits[0], dc.eval_subset, seed + 1)
     buckets, eval_buckets = choose_buckets(config, train_ds.lengths, eval_ds.lengths, workdir)

@@ -79,6 +79,21 @@ class RemoteFSError(OSError):
 
 # ----------------------------------------------------------------------------- paths
 
+_OFF = ("0", "off", "false", "no", "none", "")
+
+
+def shared_store(env: str, name: str) -> Optional[str]:
+    """A folder that runs on this machine share: $env, default ~/.cache/jax_tinybert/<name>;
+    None when $env is off (0/off/false/no/none/empty) or there is no home folder."""
+    v = os.environ.get(env)
+    if v is None:
+        root = os.path.expanduser(os.path.join("~", ".cache", "jax_tinybert", name))
+        # No home folder (HOME unset in a bare container): no store rather than a "~" folder
+        # in the working directory.
+        return None if root.startswith("~") else root
+    return None if v.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(v))
+
+
 def is_remote(path) -> bool:
     """True for an object-store URL (gs://, s3://, ...); file:// and plain paths are local."""
     p = os.fspath(path)

@@ -8,7 +8,8 @@ traceback too with --verbose); any other exception is a bug and keeps its traceb
 Multi-process: env JTB_COORDINATOR / JTB_NUM_PROCESSES / JTB_PROCESS_ID (or the flags below),
 or SLURM / TPU VM auto-detection; JTB_CPU_DEVICES=N simulates N devices on the CPU.
 Compiled steps are cached across runs in ~/.cache/jax_tinybert/xla (JTB_COMPILE_CACHE=off: not),
-and teacher outputs in ~/.cache/jax_tinybert/teacher (JTB_TEACHER_STORE=DIR or off; teacher_store.py).
+teacher outputs in ~/.cache/jax_tinybert/teacher (JTB_TEACHER_STORE=DIR or off; teacher_store.py),
+and tokenised GLUE splits in ~/.cache/jax_tinybert/tokens (JTB_TOKEN_STORE=DIR or off).
 """
 import os
 import sys

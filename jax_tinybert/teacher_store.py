@@ -37,22 +37,14 @@ from jax_tinybert import teacher_cache as tc
 log = logging.getLogger(__name__)
 
 ENV = "JTB_TEACHER_STORE"
-DEFAULT_ROOT = os.path.join("~", ".cache", "jax_tinybert", "teacher")
 MAX_ENTRY_BYTES = 2 * 10**9
 # Fingerprint fields that select rows or name the objective: not what an output depends on.
 NOT_SHARED = ("rows", "objective", "buckets", "token_dtype", "hidden_layers", "attention_layers")
-_OFF = ("0", "off", "false", "no", "none", "")
 
 
 def root_from_env() -> Optional[str]:
     """The store folder ($JTB_TEACHER_STORE or the default), or None when sharing is off."""
-    v = os.environ.get(ENV)
-    if v is None:
-        root = os.path.expanduser(DEFAULT_ROOT)
-        # No home folder (HOME unset in a bare container): no store rather than a "~" folder
-        # in the working directory.
-        return None if root.startswith("~") else root
-    return None if v.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(v))
+    return fs.shared_store(ENV, "teacher")
 
 
 def share_fingerprint(fingerprint: Mapping[str, Any]) -> dict:

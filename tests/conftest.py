@@ -28,6 +28,11 @@ _OWN_TEACHER_STORE = None
 if "JTB_TEACHER_STORE" not in os.environ:
     _OWN_TEACHER_STORE = tempfile.mkdtemp(prefix="jtb-test-teacher-store-")
     os.environ["JTB_TEACHER_STORE"] = _OWN_TEACHER_STORE
+# Tokenised splits shared between runs (data/tokenize.py token_store): the same.
+_OWN_TOKEN_STORE = None
+if "JTB_TOKEN_STORE" not in os.environ:
+    _OWN_TOKEN_STORE = tempfile.mkdtemp(prefix="jtb-test-token-store-")
+    os.environ["JTB_TOKEN_STORE"] = _OWN_TOKEN_STORE
 
 
 # `make test` runs the suite on pytest-xdist workers (`-n auto --dist loadfile`): one worker per
@@ -58,7 +63,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_unconfigure(config):
-    for own in (_OWN_XLA_CACHE, _OWN_TEACHER_STORE):
+    for own in (_OWN_XLA_CACHE, _OWN_TEACHER_STORE, _OWN_TOKEN_STORE):
         if own:
             shutil.rmtree(own, ignore_errors=True)
 

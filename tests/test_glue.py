@@ -213,6 +213,45 @@ def test_cache_is_reused_and_invalidated(glue_dir, tmp_path, tok):
     assert len(os.listdir(cache)) == 3  # max_len and content both change the key; no temp files
 
 
+def test_token_store_is_shared_between_workdirs(glue_dir, tmp_path, tok, monkeypatch, caplog):
+    store, a_dir, b_dir = tmp_path / "store", tmp_path / "a", tmp_path / "b"
+    kw = dict(glue_dir=str(glue_dir), store_dir=str(store))
+    a = tokenize.load_glue_encoded("mrpc", "dev", tok, 128, cache_dir=str(a_dir), **kw)
+    assert os.listdir(store) == os.listdir(a_dir) and len(os.listdir(store)) == 1
+    # Another run (another workdir) reads the store and tokenizes nothing.
+    real_encode = tokenize.encode_examples
+    monkeypatch.setattr(tokenize, "encode_examples", lambda *a, **k: pytest.fail("tokenized"))
+    b = tokenize.load_glue_encoded("mrpc", "dev", tok, 128, cache_dir=str(b_dir), **kw)
+    for k in ("input_ids", "token_type_ids", "offsets", "labels"):
+        np.testing.assert_array_equal(getattr(b, k), getattr(a, k), err_msg=k)
+    assert os.listdir(b_dir) == os.listdir(store)   # the workdir keeps its own copy
+    # A damaged store file is ignored, and replaced by the next tokenization.
+    monkeypatch.setattr(tokenize, "encode_examples", real_encode)
+    (store / os.listdir(store)[0]).write_bytes(b"PK\x03\x04 torn")
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.data.tokenize"):
+        c = tokenize.load_glue_encoded("mrpc", "dev", tok, 128, cache_dir=str(tmp_path / "c"),
+                                       **kw)
+    assert "ignoring unreadable cache" in caplog.text
+    np.testing.assert_array_equal(c.input_ids, a.input_ids)
+    np.testing.assert_array_equal(tokenize.EncodedDataset.load_npz(
+        str(store / os.listdir(store)[0])).input_ids, a.input_ids)
+
+
+@pytest.mark.parametrize("value,want", [(None, "HOME/.cache/jax_tinybert/tokens"),
+                                        ("off", None), ("0", None), ("", None),
+                                        ("STORE", "STORE")])
+def test_token_store_location(tmp_path, monkeypatch, value, want):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if value is None:
+        monkeypatch.delenv("JTB_TOKEN_STORE", raising=False)
+    else:
+        monkeypatch.setenv("JTB_TOKEN_STORE", value.replace("STORE", str(tmp_path / "s")))
+    got = tokenize.token_store()
+    want = want and want.replace("HOME", str(tmp_path / "home")).replace("STORE",
+                                                                          str(tmp_path / "s"))
+    assert got == want
+
+
 @pytest.mark.parametrize("task,split", [("mrpc", "train"), ("sst2", "dev")])
 def test_subset_tokenizes_only_its_examples_and_equals_the_whole_then_subset(
         glue_dir, tmp_path, tok, task, split, caplog):

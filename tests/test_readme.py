@@ -36,6 +36,8 @@ import sys
 
 import pytest
 
+from helpers import tiny_run
+
 pytestmark = pytest.mark.readme
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -166,7 +168,7 @@ def clone(tmp_path_factory, shared_dir):
                     ".venv to the running one")
     (repo / ".venv").symlink_to(sys.prefix, target_is_directory=True)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JTB_", "SLURM_")) and k not in (
+           if (k in tiny_run.STORES or not k.startswith(("JTB_", "SLURM_"))) and k not in (
                "WORKDIR", "GLUE_DIR", "DEMO_ARGS", "XLA_FLAGS", "MAKEFLAGS", "MFLAGS")}
     # The commands' behaviour is checked, not their speed: XLA's cheapest backend optimisation,
     # as every tiny run of the suite (tests/helpers/tiny_run.py); compiling is most of each stage.

@@ -60,9 +60,14 @@ def train_args(workdir, teacher, *, steps=20, checkpoint_every=5, batch=8, dropo
             f"--config.optim.learning_rate={lr}", *extra]
 
 
+# The session's own stores (tests/conftest.py), kept so that no test run writes to ~/.cache.
+STORES = ("JTB_TEACHER_STORE", "JTB_TOKEN_STORE")
+
+
 def env(**extra):
     e = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JTB_", "SLURM_")) and k not in ("XLA_FLAGS", "PYTHON")}
+         if (k in STORES or not k.startswith(("JTB_", "SLURM_")))
+         and k not in ("XLA_FLAGS", "PYTHON")}
     e.update(MALLOC, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), XLA_FLAGS=FAST_COMPILE_XLA_FLAGS)
     e.update({k: str(v) for k, v in extra.items()})
     return e
