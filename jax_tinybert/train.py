@@ -81,10 +81,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     eval_every = config.train.eval_every or run.data.train_batches.steps_per_epoch
     fingerprint = config_fingerprint(config)[0]
     compiler = precompile.Compiler() if config.train.compile_ahead else None
-    train_step, eval_step = _steps(run, compiler, start_step)
     # The SIGTERM handler must not outlive this stage when it stops early (Preempted) or fails:
     # library callers (pipeline, benchmarks) run several stages in one process.
     try:
+        train_step, eval_step = _steps(run, compiler, start_step)
         step = start_step
         while step < run.total_steps:
             batch = next(run.data.train_batches)
@@ -112,11 +112,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     finally:
         preemption.uninstall()
         if compiler is not None:
-            compiler.close()
-            logger.info("steps run by programs compiled ahead: train %d of %d, eval %d of %d",
-                         train_step.hits, train_step.hits + train_step.misses,
-                         *((eval_step.hits, eval_step.hits + eval_step.misses)
-                           if eval_step is not None else (0, 0)))
+            logger.info("programs compiled ahead ran: %s", compiler.close())
 
     # ----------------------------------------------------------------- finish
     final_params, export_step = _best_params(ckpt, run, state, best, step)

@@ -94,5 +94,6 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
                        + run_files.records(str(tmp_path / f"w{ahead}"), "eval")]
     assert runs[True] == runs[False] and len(runs[True]) >= 12
     # Every step and every dev batch ran a program compiled ahead.
-    m = re.search(r"compiled ahead: train (\d+) of 10, eval (\d+) of (\d+)", caplog.text)
+    m = re.search(r"compiled ahead ran: train step (\d+) of 10 calls, eval step (\d+) of (\d+) "
+                  r"calls", caplog.text)
     assert m and m[1] == "10" and m[2] == m[3] != "0", caplog.text
