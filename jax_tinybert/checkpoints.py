@@ -171,7 +171,12 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self._async, create=True, async_options=async_options,
             **options)
-        mngr = ocp.CheckpointManager(directory, options=opts, item_names=("state", "meta"))
+        # The state without zstd: compressing ~170 MB of float32 (a 4-layer student's params and
+        # AdamW moments) took ~0.4 s of CPU per save to make it 9% smaller, and a prediction
+        # epoch on SST-2 saves 12 times. Checkpoints written compressed still restore.
+        mngr = ocp.CheckpointManager(directory, options=opts, item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(use_compression=False),
+            "meta": ocp.JsonCheckpointHandler()})
         self._digesters[id(mngr)] = digester
         return mngr
 
@@ -233,7 +238,7 @@ class Checkpointer:
     @staticmethod
     def _args(state, meta):
         meta = dict(_to_json(meta), **{_DIGESTED: 1})
-        return ocp.args.Composite(state=ocp.args.StandardSave(state),
+        return ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                   meta=ocp.args.JsonSave(meta))
 
     def maybe_save(self, step: int, state, meta: Mapping[str, Any] | None = None) -> bool:
@@ -334,7 +339,9 @@ class Checkpointer:
     @staticmethod
     def _restore_step(mngr, step, abstract):
         r = mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            state=ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)),
+            meta=ocp.args.JsonRestore()))
         meta = dict(r["meta"] or {})
         meta.pop(_DIGESTED, None)
         return step, r["state"], meta

@@ -284,6 +284,46 @@ def test_checkpoint_without_digests_still_restores(tmp_path, caplog):
     c.close()
 
 
+def _compressors(step_dir):
+    """The compressors of every array under step_dir/state ("none" for raw): its zarr
+    metadata, read through the OCDBT store that orbax writes."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{step_dir}/state/"}).result()
+    found = set()
+    for key in kv.list().result():
+        if key.endswith(b".zarray"):   # zarr v2, what orbax writes by default
+            c = json.loads(kv.read(key).result().value)["compressor"]
+            found.add(c["id"] if c else "none")
+        elif key.endswith(b"zarr.json"):
+            codecs = json.loads(kv.read(key).result().value).get("codecs", [])
+            inner = [i["name"] for c in codecs
+                     for i in c.get("configuration", {}).get("codecs", [])]
+            found.add("zstd" if "zstd" in inner + [c["name"] for c in codecs] else "none")
+    return found
+
+
+def test_state_is_written_uncompressed_and_old_compressed_steps_restore(tmp_path):
+    import orbax.checkpoint as ocp
+
+    st = make_state(step=3)
+    with Checkpointer(tmp_path / "new", save_interval_steps=1) as c:
+        c.save(3, st, {"s": 3}, force=True)
+    assert _compressors(tmp_path / "new" / "checkpoints" / "3") == {"none"}
+    # A step as the Checkpointer wrote it before (orbax's StandardSave: zstd), digests and all.
+    m = ocp.CheckpointManager(tmp_path / "old" / "checkpoints", item_names=("state", "meta"))
+    m.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(st),
+                                      meta=ocp.args.JsonSave({"s": 3})))
+    m.wait_until_finished()
+    m.close()
+    assert _compressors(tmp_path / "old" / "checkpoints" / "3") == {"zstd"}
+    c = Checkpointer(tmp_path / "old")
+    step, got, meta = c.restore_latest(abstract_like(st))
+    c.close()
+    assert (step, meta) == (3, {"s": 3})
+    assert_tree_equal(got, st)
+
+
 def test_nothing_readable_raises_and_moves_nothing(tmp_path):
     st = make_state()
     with Checkpointer(tmp_path, save_interval_steps=1) as c:

@@ -11,8 +11,8 @@ import pytest
 
 from jax_tinybert.data import glue, tokenize, wordpiece
 
-MIXED = ["Héllo WORLD, naïve Café!", "Ünïcödé façade — 北京 résumé", "[MASK] is a [SEP] token",
-         "It's  a   SPLENDIDLY  odd  day.", ""]
+MIXED = ["Héllo WORLD, naïve Café!", "Ünïcödé façade — 北京 résumé",
+         "[MASK] is a [SEP] token", "It's  a   SPLENDIDLY  odd  day.", ""]
 
 
 @pytest.fixture(scope="module")
