@@ -172,7 +172,7 @@ class Checkpointer:
             enable_async_checkpointing=self._async, create=True, async_options=async_options,
             **options)
         # On a local disk the state is written without zstd: compressing a 4-layer student's
-        # ~170 MB state (params, AdamW moments) cost ~0.4 CPU-s per save, while training waits
+        # ~170 MB state (params, AdamW moments) cost ~0.3-0.4 CPU-s per save, while training waits
         # for the cores, to make it a third smaller (unseen vocabulary rows have zero moments);
         # a prediction epoch on SST-2 saves 12 times. To a bucket the network is the slower
         # part, so it is compressed. Either kind restores.
