@@ -59,7 +59,7 @@ TARGETS = {"pred": 6.0, "pred_standalone": 6.0, "intermediate": 3.0, "intermedia
 
 
 _COMPILE_CACHE: List[str] = []  # set by main(): a fresh XLA cache folder for this run
-_TEACHER_STORE: List[str] = []  # set by main(): a fresh teacher store (teacher_store.py)
+_STORES: List[str] = []  # set by main(): fresh teacher and token stores
 
 
 def _env() -> Dict[str, str]:
@@ -70,12 +70,12 @@ def _env() -> Dict[str, str]:
         # Empty at the start: the first process of each shape pays the compilation as a new
         # user does; later stages / epochs with the same shapes reuse it as theirs would.
         env["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_CACHE[0]
-    if _TEACHER_STORE:
+    if _STORES:
         # Empty at the start too: the teacher outputs a stage finds there were computed by an
         # earlier stage of this run (the intermediate stage's per-token build), as a user's are;
         # so are the tokenised splits (the first stage tokenizes).
-        env["JTB_TEACHER_STORE"] = _TEACHER_STORE[0]
-        env["JTB_TOKEN_STORE"] = os.path.join(os.path.dirname(_TEACHER_STORE[0]), "token_store")
+        env["JTB_TEACHER_STORE"] = _STORES[0]
+        env["JTB_TOKEN_STORE"] = _STORES[1]
     return env
 
 
@@ -513,8 +513,9 @@ def main(argv=None):
     _COMPILE_CACHE.append(cache)
     store = os.path.join(args.scratch, "teacher_store")
     shutil.rmtree(store, ignore_errors=True)
-    _TEACHER_STORE.append(store)
-    shutil.rmtree(os.path.join(args.scratch, "token_store"), ignore_errors=True)
+    tokens = os.path.join(args.scratch, "token_store")
+    shutil.rmtree(tokens, ignore_errors=True)
+    _STORES.extend([store, tokens])
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["benchmarks/epoch.py"] + (argv or sys.argv[1:])),
            "machine": machine(), "load_start": _loadavg(), "tasks": {}}

@@ -82,15 +82,21 @@ class RemoteFSError(OSError):
 _OFF = ("0", "off", "false", "no", "none", "")
 
 
+def cache_root() -> Optional[str]:
+    """$XDG_CACHE_HOME/jax_tinybert, default ~/.cache/jax_tinybert: where the compile cache and
+    the stores live. None without a home folder (HOME unset in a bare container): nothing
+    cached rather than a "~" folder in the working directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(os.path.join("~", ".cache"))
+    return None if base.startswith("~") else os.path.join(base, "jax_tinybert")
+
+
 def shared_store(env: str, name: str) -> Optional[str]:
-    """A folder that runs on this machine share: $env, default ~/.cache/jax_tinybert/<name>;
-    None when $env is off (0/off/false/no/none/empty) or there is no home folder."""
+    """A folder that runs on this machine share: $env, default cache_root()/<name>; None when
+    $env is off (0/off/false/no/none/empty) or there is no cache root."""
     v = os.environ.get(env)
     if v is None:
-        root = os.path.expanduser(os.path.join("~", ".cache", "jax_tinybert", name))
-        # No home folder (HOME unset in a bare container): no store rather than a "~" folder
-        # in the working directory.
-        return None if root.startswith("~") else root
+        root = cache_root()
+        return None if root is None else os.path.join(root, name)
     return None if v.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(v))
 
 

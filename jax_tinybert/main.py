@@ -14,6 +14,8 @@ and tokenised GLUE splits in ~/.cache/jax_tinybert/tokens (JTB_TOKEN_STORE=DIR o
 import os
 import sys
 
+from jax_tinybert import fs
+
 
 def _early_env() -> None:
     # Must happen before JAX is imported: device count and allocator flags are read at start.
@@ -31,10 +33,10 @@ def _early_env() -> None:
     # Persistent XLA compilation cache: every stage, resumed run and later epoch of the same
     # shapes reuses the compiled steps (one compilation per bucket costs ~5-9 s on 2 CPU
     # cores). JTB_COMPILE_CACHE=off disables it; JAX_COMPILATION_CACHE_DIR picks the folder.
-    if os.environ.get("JTB_COMPILE_CACHE", "").lower() not in ("0", "off", "false", "no"):
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = fs.cache_root()
+    if root and os.environ.get("JTB_COMPILE_CACHE", "").lower() not in ("0", "off", "false", "no"):
         to_jax["jax_compilation_cache_dir"] = os.environ.setdefault(
-            "JAX_COMPILATION_CACHE_DIR", os.path.join(root, "jax_tinybert", "xla"))
+            "JAX_COMPILATION_CACHE_DIR", os.path.join(root, "xla"))
     if "jax" in sys.modules:
         for name, value in to_jax.items():
             sys.modules["jax"].config.update(name, value)
@@ -50,7 +52,7 @@ import ml_collections  # noqa: E402
 from absl import app, flags, logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from jax_tinybert import (build, cli_diagnose, cli_help, config_check, fs, mlm_head,  # noqa: E402
+from jax_tinybert import (build, cli_diagnose, cli_help, config_check, mlm_head,  # noqa: E402
                           pipeline, sharding, train)
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
 

@@ -242,6 +242,7 @@ def test_token_store_is_shared_between_workdirs(glue_dir, tmp_path, tok, monkeyp
                                         ("STORE", "STORE")])
 def test_token_store_location(tmp_path, monkeypatch, value, want):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     if value is None:
         monkeypatch.delenv("JTB_TOKEN_STORE", raising=False)
     else:

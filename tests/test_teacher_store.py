@@ -159,6 +159,7 @@ def test_missing_rows_or_damage_rebuild(tmp_path, small, caplog):
                                         (None, "HOME/.cache/jax_tinybert/teacher")])
 def test_store_location_from_env(monkeypatch, tmp_path, value, want):
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     if value is None:
         monkeypatch.delenv(ts.ENV, raising=False)
     else:
@@ -170,5 +171,6 @@ def test_store_location_from_env(monkeypatch, tmp_path, value, want):
 def test_no_home_no_store(monkeypatch):
     monkeypatch.delenv(ts.ENV, raising=False)
     monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setattr(os.path, "expanduser", lambda p: p)   # what it does with no home at all
     assert ts.from_env() is None

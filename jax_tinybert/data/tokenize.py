@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import io
 import logging
-import os
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -39,11 +38,7 @@ def load_tokenizer(path_or_name: str):
 def load_data_tokenizer(path_or_name: str):
     """The tokenizer for batches of ids: `wordpiece.load` (no transformers import, ~4 s less
     per run) where it reproduces `load_tokenizer(path_or_name)` exactly, else that."""
-    if not fs.is_remote(path_or_name) and os.path.isdir(path_or_name):
-        tok = wordpiece.load(path_or_name)
-        if tok is not None:
-            return tok
-    return load_tokenizer(path_or_name)
+    return wordpiece.load(path_or_name) or load_tokenizer(path_or_name)
 
 
 @dataclasses.dataclass
@@ -278,7 +273,7 @@ def load_glue_encoded(task, split: str, tokenizer, max_len: int, *, glue_dir: Op
         key = cache_key(tokenizer, path, max_len, spec.name, f"skip={skip_bad_rows}")
         name = f"{spec.name}-{split}-{max_len}-{key}.npz"
         cache_path = fs.join(cache_dir, name)
-        store_path = os.path.join(store_dir, name) if store_dir else None
+        store_path = fs.join(store_dir, name) if store_dir else None
         for src in (cache_path, store_path):
             if src is None or not fs.exists(src):
                 continue
@@ -305,7 +300,7 @@ def load_glue_encoded(task, split: str, tokenizer, max_len: int, *, glue_dir: Op
         ds.save_npz(cache_path)
     if store_path:
         try:
-            os.makedirs(store_dir, exist_ok=True)
+            fs.makedirs(store_dir)
             ds.save_npz(store_path)
         except OSError as e:   # a read-only or full store: this run is not affected
             log.warning("could not add %s to the token store: %s", name, e)
