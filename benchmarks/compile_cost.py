@@ -5,7 +5,8 @@ against the padding it saves).
 
 For each stage's train step (built by `plan.build_step`, i.e. `build.build_step`, the program
 training runs), the eval step and the teacher-cache forward (batch 64), at each length T: the
-seconds to lower + compile, and the seconds of one train step at the longest T (median of
+seconds to lower + compile (a split step's gradient program: its update program compiles once
+per run, reported apart), and the seconds of one train step at the longest T (median of
 `--steps`, after one warm-up). The ratio (all three compilations of one bucket) / (one step at
 max length) is what a bucket costs in steps at max length.
 
@@ -61,14 +62,15 @@ def _concrete(abstract, seed=0):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int) -> dict:
+def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int,
+            split_update: bool = True) -> dict:
     """Compile times per length and the step time at the longest; tcfg/scfg: BertConfigs."""
     objective = STAGES[stage]
     mesh = shd.make_mesh({"data": -1, "fsdp": 1, "model": 1}, None)
     if stage == "finetune":   # the teacher fine-tuned alone: it is the "student" of the step
         scfg, tcfg = tcfg, None
     train_step, state_abs, teacher_abs, obj, cached = plan.build_step(
-        tcfg or scfg, scfg, objective=objective, mesh=mesh)
+        tcfg or scfg, scfg, objective=objective, mesh=mesh, split_update=split_update)
     bsh = shd.batch_sharding(mesh)
     evaluate = jax.jit(step_lib.make_eval_step(build.student_module(plan.plan_config(), scfg)))
     forward = None
@@ -77,12 +79,24 @@ def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int) -> dict:
         tparams = jax.eval_shape(lambda: init_params(t, jax.random.PRNGKey(0)))
         forward = teacher_cache.make_forward(t, feature_fn=obj.teacher_features)
     rows = []
+    # A split step's update program is compiled once per run, not per bucket.
+    split = isinstance(train_step, step_lib.SplitTrainStep)
+    c_update = 0.0
+    if split:
+        update, c_update = _timed(
+            lambda: train_step.update.lower(state_abs, state_abs.params).compile())
+        print(f"{stage:12s} compile update (once per run) {c_update:5.1f} s", flush=True)
     for T in lengths:
         spec = plan.batch_spec(batch, T, labels=objective != "tinybert_intermediate",
                                cached=cached)
         babs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh) for k, v in spec.items()}
-        compiled, c_train = _timed(
-            lambda: train_step.lower(state_abs, teacher_abs, babs).compile())
+        if split:
+            grads, c_train = _timed(
+                lambda: train_step.grads.lower(state_abs, teacher_abs, babs).compile())
+            compiled = step_lib.SplitCompiled(grads, update)
+        else:
+            compiled, c_train = _timed(
+                lambda: train_step.lower(state_abs, teacher_abs, babs).compile())
         ids = jax.ShapeDtypeStruct((batch, T), jnp.int32)
         _, c_eval = _timed(lambda: evaluate.lower(
             state_abs.params["student"], {k: ids for k in ("input_ids", "attention_mask",
@@ -112,7 +126,8 @@ def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int) -> dict:
     step_s = rows[-1]["step_s"]
     per_bucket = statistics.mean(r["compile_train_s"] + r["compile_eval_s"]
                                  + r["compile_teacher_forward_s"] for r in rows)
-    return {"stage": stage, "rows": rows, "compile_per_bucket_s": per_bucket,
+    return {"stage": stage, "rows": rows, "compile_update_s": c_update,
+            "compile_per_bucket_s": per_bucket,
             "step_at_max_len_s": step_s, "bucket_in_steps": per_bucket / step_s}
 
 
@@ -125,6 +140,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", default="")
+    p.add_argument("--fused", action="store_true",
+                   help="the one-program train step (train.split_update=False)")
     p.add_argument("--smoke", action="store_true", help="tiny random models (tests the wiring)")
     a = p.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -140,7 +157,7 @@ def main(argv=None):
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batch": a.batch,
            "stages": []}
     for s in a.stages.split(","):
-        r = measure(s, tcfg, scfg, lengths, a.batch, a.steps)
+        r = measure(s, tcfg, scfg, lengths, a.batch, a.steps, split_update=not a.fused)
         out["stages"].append(r)
         print(f"{s}: one bucket = {r['compile_per_bucket_s']:.1f} s of compilation = "
               f"{r['bucket_in_steps']:.1f} steps at T={max(lengths)} "

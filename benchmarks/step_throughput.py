@@ -283,7 +283,9 @@ def hlo_flops(lowered) -> float:
     """FLOPs of a Lowered step's unoptimised HLO (every dot 2 M N K; backend-independent). The
     GPU plugin does not implement Lowered.cost_analysis (NaN or NotImplementedError there), so
     fall back to the CPU backend's analysis of the same HLO module (a private JAX API: NaN if it
-    moves)."""
+    moves). A split step's (gradient + update programs): the sum of its parts'."""
+    if hasattr(lowered, "parts"):
+        return sum(hlo_flops(p) for p in lowered.parts)
     try:
         f = _cost_flops(lowered)
         if math.isfinite(f):

@@ -313,7 +313,8 @@ def _with_shardings(tree, shardings):
 class Step:
     """The jitted steps of one run and the shardings they were compiled for.
 
-    train_step(state, teacher_params, batch) -> (state, metrics); state donated.
+    train_step(state, teacher_params, batch) -> (state, metrics); state donated. A
+        step_lib.SplitTrainStep (gradient + update programs) unless train.split_update=False.
     eval_step(student_params, batch) -> logits [B, C] (None when not asked for).
     abstract_state / abstract_teacher: ShapeDtypeStructs with shardings (for restore / lower).
     loss_fn(params, teacher_params, batch, rng) -> (loss, terms): what train_step differentiates.
@@ -367,9 +368,15 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
     loss_fn = step_lib.make_loss_fn(student, teacher, objective,
                                     teacher_dropout=config.teacher.dropout,
                                     student_dropout=config.student.dropout)
-    train_step = step_lib.jit_train_step(
-        step_lib.make_train_step(loss_fn, tx, schedule, grad_accum=config.train.grad_accum,
-                                 mesh=mesh), state_sh, teacher_sh, mesh)
+    accum = config.train.grad_accum
+    if config.train.split_update:
+        train_step = step_lib.jit_split_train_step(
+            step_lib.make_grad_step(loss_fn, grad_accum=accum, mesh=mesh),
+            step_lib.make_update_step(tx, schedule), state_sh, teacher_sh, mesh)
+    else:
+        train_step = step_lib.jit_train_step(
+            step_lib.make_train_step(loss_fn, tx, schedule, grad_accum=accum, mesh=mesh),
+            state_sh, teacher_sh, mesh)
     eval_step = None
     if with_eval:
         eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(student),

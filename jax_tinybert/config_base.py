@@ -99,7 +99,10 @@ def base_config() -> ml_collections.ConfigDict:
         grad_accum=1, seed=0, log_every=20, eval_every=0,  # 0 = at the end of each epoch
         eval_batch_size=64, checkpoint_every=200, max_to_keep=2,
         # Compile the step of every length bucket ahead, in a background thread (precompile.py).
-        compile_ahead=True))
+        compile_ahead=True,
+        # The optimizer update as its own program, compiled once, not in every bucket's step
+        # (step.SplitTrainStep); False: one fused program per bucket.
+        split_update=True))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1, fsdp_min_size=16384))
     c.export = ml_collections.ConfigDict(dict(enabled=True))
     return c

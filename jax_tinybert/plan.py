@@ -77,7 +77,7 @@ def plan_config(*, objective: str = "tinybert_intermediate", objective_cfg: Opti
                 optim_cfg: Optional[dict] = None, grad_accum: int = 1,
                 fsdp_min_size: int = 16384, student_dropout: bool = True,
                 teacher_dtype: str = "float32", student_dtype: str = "float32",
-                remat: bool = False) -> ml_collections.ConfigDict:
+                remat: bool = False, split_update: bool = True) -> ml_collections.ConfigDict:
     """The run config the plan stands for: config_base's defaults plus the planner's options."""
     c = config_base.base_config()
     c.objective.name = objective
@@ -85,6 +85,7 @@ def plan_config(*, objective: str = "tinybert_intermediate", objective_cfg: Opti
         c.objective.update(objective_cfg or {})
     c.optim.update(optim_cfg or {})
     c.train.grad_accum = grad_accum
+    c.train.split_update = split_update
     c.mesh.fsdp_min_size = fsdp_min_size
     c.student.update(dict(dropout=student_dropout, dtype=student_dtype, remat=remat))
     c.teacher.dtype = teacher_dtype

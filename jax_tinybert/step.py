@@ -1,12 +1,15 @@
 """The pure, jitted, sharded train and eval steps.
 
-train step: (state, teacher_params, batch) -> (state, metrics). The teacher runs once per
-micro-batch under stop_gradient (deterministic unless `teacher_dropout`), the student once;
-the objective gives the loss and its terms; optax updates params = {"student", "proj"}.
-Gradient accumulation is a `lax.scan` over micro-batches inside the same jitted function.
+train step: (state, teacher_params, batch) -> (state, metrics), one jitted program, or two
+(`SplitTrainStep`: the gradients, one program per batch shape, then the optimizer update). The
+teacher runs once per micro-batch under stop_gradient (deterministic unless `teacher_dropout`),
+the student once; the objective gives the loss and its terms; optax updates
+params = {"student", "proj"}. Gradient accumulation is a `lax.scan` over micro-batches inside
+the gradient program.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import flax.linen as nn
@@ -52,13 +55,12 @@ def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
     return loss_fn
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
-                    schedule: Callable[[Array], Array], *, grad_accum: int = 1,
-                    mesh: Optional[Mesh] = None) -> Callable:
-    """-> step(state, teacher_params, batch) -> (state, metrics), not yet jitted.
+def make_grad_step(loss_fn: Callable, *, grad_accum: int = 1,
+                   mesh: Optional[Mesh] = None) -> Callable:
+    """-> grads(state, teacher_params, batch) -> (grads like state.params, metrics), not jitted.
 
-    batch leaves have a leading global batch dim B (B % grad_accum == 0); metrics: `loss`,
-    every objective term, `grad_norm` (global L2 of the accumulated gradient) and `lr`.
+    batch leaves have a leading global batch dim B (B % grad_accum == 0); grads are averaged
+    over the grad_accum micro-batches; metrics: `loss` and every objective term.
     """
 
     def grads_of(params, teacher_params, batch, rng):
@@ -66,41 +68,66 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
                                                                      batch, rng)
         return g, dict(terms, loss=loss)
 
-    def step(state: TrainState, teacher_params, batch):
+    def grads(state: TrainState, teacher_params, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         if grad_accum == 1:
-            grads, metrics = grads_of(state.params, teacher_params, batch, rng)
-        else:
-            def split(x):
-                x = x.reshape((grad_accum, x.shape[0] // grad_accum) + x.shape[1:])
-                if mesh is not None:
-                    x = jax.lax.with_sharding_constraint(
-                        x, NamedSharding(mesh, P(None, shd.BATCH_AXES)))
-                return x
+            return grads_of(state.params, teacher_params, batch, rng)
 
-            micro = jax.tree_util.tree_map(split, batch)
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+        def split(x):
+            x = x.reshape((grad_accum, x.shape[0] // grad_accum) + x.shape[1:])
+            if mesh is not None:
+                x = jax.lax.with_sharding_constraint(
+                    x, NamedSharding(mesh, P(None, shd.BATCH_AXES)))
+            return x
 
-            def body(carry, xs):
-                acc_g, acc_m, i = carry
-                g, m = grads_of(state.params, teacher_params, xs, jax.random.fold_in(rng, i))
-                acc_g = jax.tree_util.tree_map(jnp.add, acc_g, g)
-                acc_m = jax.tree_util.tree_map(jnp.add, acc_m, m)
-                return (acc_g, acc_m, i + 1), None
+        micro = jax.tree_util.tree_map(split, batch)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
 
-            m_shape = jax.eval_shape(lambda: grads_of(
-                state.params, teacher_params, jax.tree_util.tree_map(lambda x: x[0], micro),
-                rng)[1])
-            m0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
-            (grads, metrics, _), _ = jax.lax.scan(body, (zeros, m0, 0), micro)
-            grads = jax.tree_util.tree_map(lambda g: g / grad_accum, grads)
-            metrics = jax.tree_util.tree_map(lambda m: m / grad_accum, metrics)
+        def body(carry, xs):
+            acc_g, acc_m, i = carry
+            g, m = grads_of(state.params, teacher_params, xs, jax.random.fold_in(rng, i))
+            acc_g = jax.tree_util.tree_map(jnp.add, acc_g, g)
+            acc_m = jax.tree_util.tree_map(jnp.add, acc_m, m)
+            return (acc_g, acc_m, i + 1), None
+
+        m_shape = jax.eval_shape(lambda: grads_of(
+            state.params, teacher_params, jax.tree_util.tree_map(lambda x: x[0], micro),
+            rng)[1])
+        m0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
+        (g, metrics, _), _ = jax.lax.scan(body, (zeros, m0, 0), micro)
+        g = jax.tree_util.tree_map(lambda x: x / grad_accum, g)
+        return g, jax.tree_util.tree_map(lambda m: m / grad_accum, metrics)
+
+    return grads
+
+
+def make_update_step(tx: optax.GradientTransformation,
+                     schedule: Callable[[Array], Array]) -> Callable:
+    """-> update(state, grads) -> (state, {"grad_norm", "lr"}), not jitted: the optimizer's
+    step (grad_norm: global L2 of `grads`; lr: the schedule's value at this step)."""
+
+    def update(state: TrainState, grads):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
-                       lr=jnp.asarray(schedule(state.step), jnp.float32))
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, metrics
+        metrics = {"grad_norm": optax.tree.norm(grads),
+                   "lr": jnp.asarray(schedule(state.step), jnp.float32)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return update
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
+                    schedule: Callable[[Array], Array], *, grad_accum: int = 1,
+                    mesh: Optional[Mesh] = None) -> Callable:
+    """-> step(state, teacher_params, batch) -> (state, metrics), not yet jitted: the gradient
+    step and the update step as one function (metrics: both steps' metrics)."""
+    grads_fn = make_grad_step(loss_fn, grad_accum=grad_accum, mesh=mesh)
+    update_fn = make_update_step(tx, schedule)
+
+    def step(state: TrainState, teacher_params, batch):
+        grads, metrics = grads_fn(state, teacher_params, batch)
+        state, more = update_fn(state, grads)
+        return state, dict(metrics, **more)
 
     return step
 
@@ -124,3 +151,105 @@ def jit_train_step(step: Callable, state_sharding, teacher_sharding, mesh: Mesh)
 def jit_eval_step(eval_step: Callable, student_sharding, mesh: Mesh):
     return jax.jit(eval_step, in_shardings=(student_sharding, shd.batch_sharding(mesh)),
                    out_shardings=shd.replicated(mesh))
+
+
+def jit_split_train_step(grads_fn: Callable, update_fn: Callable, state_sharding,
+                         teacher_sharding, mesh: Mesh) -> "SplitTrainStep":
+    """The train step as two jitted programs: the gradient step (one program per batch shape;
+    the state is read, not donated) and the update step (one program for the run; the state
+    donated: the new params and moments take its buffers, so donating the gradients too would
+    give XLA buffers it has no output for)."""
+    grads = jax.jit(grads_fn,
+                    in_shardings=(state_sharding, teacher_sharding, shd.batch_sharding(mesh)),
+                    out_shardings=(state_sharding.params, shd.replicated(mesh)))
+    update = jax.jit(update_fn, in_shardings=(state_sharding, state_sharding.params),
+                     out_shardings=(state_sharding, shd.replicated(mesh)), donate_argnums=(0,))
+    return SplitTrainStep(grads, update)
+
+
+class SplitTrainStep:
+    """train_step(state, teacher_params, batch) -> (state, metrics), run as two programs:
+    grads(state, teacher_params, batch) -> (grads, metrics), then update(state, grads).
+
+    Why: a fused step compiles the optimizer's update (AdamW over every parameter leaf) into the
+    program of every length bucket. Compiled once on its own, each bucket's program compiles
+    ~2.2 s faster on a 2-core Xeon (3.6 vs 5.9 s at T 16), for steps ~1% slower (the gradients
+    go through memory between the two); the parameters after a step are bit-identical (session
+    15, benchmarks/RESULTS.md). `train.split_update=False` gives the fused program.
+
+    `lower(...)` / `.compile()` mirror jax.jit's: the compiled pair runs as the step does, with
+    the two programs' cost analyses added and their memory analyses combined (`SplitLowered`).
+    """
+
+    def __init__(self, grads: Callable, update: Callable):
+        self.grads, self.update = grads, update
+
+    def __call__(self, state, teacher_params, batch):
+        grads, metrics = self.grads(state, teacher_params, batch)
+        state, more = self.update(state, grads)
+        return state, dict(metrics, **more)
+
+    def lower(self, state, teacher_params, batch) -> "SplitLowered":
+        g = self.grads.lower(state, teacher_params, batch)
+        return SplitLowered(g, self.update.lower(state, g.out_info[0]))
+
+
+class SplitLowered:
+    """The lowered gradient and update programs of a SplitTrainStep (`parts`)."""
+
+    def __init__(self, grads, update):
+        self.parts = (grads, update)
+
+    def compile(self) -> "SplitCompiled":
+        return SplitCompiled(*(p.compile() for p in self.parts))
+
+    def cost_analysis(self) -> Dict[str, float]:
+        return _add_costs(p.cost_analysis() for p in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryAnalysis:
+    """The byte counts of XLA's memory analysis that this project reads."""
+    argument_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
+    temp_size_in_bytes: int
+    generated_code_size_in_bytes: int
+
+
+class SplitCompiled(SplitTrainStep):
+    """The compiled gradient and update programs: callable as the step, with XLA's analyses."""
+
+    @property
+    def parts(self):
+        return (self.grads, self.update)
+
+    def cost_analysis(self) -> Dict[str, float]:
+        return _add_costs(p.cost_analysis() for p in self.parts)
+
+    def memory_analysis(self) -> MemoryAnalysis:
+        """As one program would report it: the arguments of both (the state with its moments,
+        the teacher, the batch), the gradient program's outputs (the gradients, live until
+        the update has read them; the update's outputs alias the state it is given), the
+        larger of the two programs' temporaries, and both executables."""
+        g, u = (p.memory_analysis() for p in self.parts)
+        # The update reads the state and the gradients: the params (also read by the gradient
+        # program) and the gradients (its outputs) are counted already; what is left is the
+        # optimizer's moments (and a few bytes of metrics too many, under the key and step).
+        moments = max(0, int(u.argument_size_in_bytes) - 2 * int(g.output_size_in_bytes))
+        return MemoryAnalysis(
+            int(g.argument_size_in_bytes) + moments, int(g.output_size_in_bytes),
+            int(g.alias_size_in_bytes), max(int(g.temp_size_in_bytes), int(u.temp_size_in_bytes)),
+            int(g.generated_code_size_in_bytes) + int(u.generated_code_size_in_bytes))
+
+
+def _add_costs(costs) -> Dict[str, float]:
+    """XLA cost analyses (a dict, or a list of one dict per program) added key by key."""
+    out: Dict[str, float] = {}
+    for c in costs:
+        if isinstance(c, (list, tuple)):
+            c = c[0] if c else {}
+        for k, v in (c or {}).items():
+            if isinstance(v, (int, float)):
+                out[k] = out.get(k, 0.0) + float(v)
+    return out

@@ -297,8 +297,16 @@ def _steps(run: build.Run, compiler: Optional[precompile.Compiler], start_step: 
     compiling ahead (precompile.py), train buckets in the order they come, then eval's."""
     if compiler is None:
         return run.step.train_step, run.step.eval_step
-    train_step = compiler.wrap(run.step.train_step, "train step")
     batches, state_abs = run.data.train_batches, run.step.abstract_state
+    step = run.step.train_step
+    if isinstance(step, step_lib.SplitTrainStep):
+        # The update's one program first: every step needs it; the gradients' per bucket.
+        update = compiler.wrap(step.update, "update step")
+        update.submit(state_abs, state_abs.params)
+        train_step = step_lib.SplitTrainStep(compiler.wrap(step.grads, "gradient step"), update)
+        per_bucket = train_step.grads
+    else:
+        train_step = per_bucket = compiler.wrap(step, "train step")
     left, epoch, pos = run.total_steps - start_step, batches.epoch, batches.step
     seen = set()
     while left > 0 and len(seen) < len(batches.buckets):
@@ -309,7 +317,7 @@ def _steps(run: build.Run, compiler: Optional[precompile.Compiler], start_step: 
             if int(lens[i]) not in seen:
                 seen.add(int(lens[i]))
                 sample = batches.batch_at(epoch, pos + int(i))
-                train_step.submit(state_abs, run.teacher_params, _feed(run, sample))
+                per_bucket.submit(state_abs, run.teacher_params, _feed(run, sample))
         left, pos = left - len(lens), pos + len(lens)
     if not run.evaluates:
         return train_step, None

@@ -93,7 +93,9 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
                        for r in run_files.records(str(tmp_path / f"w{ahead}"), "train")
                        + run_files.records(str(tmp_path / f"w{ahead}"), "eval")]
     assert runs[True] == runs[False] and len(runs[True]) >= 12
-    # Every step and every dev batch ran a program compiled ahead.
-    m = re.search(r"compiled ahead ran: train step (\d+) of 10 calls, eval step (\d+) of (\d+) "
-                  r"calls", caplog.text)
-    assert m and m[1] == "10" and m[2] == m[3] != "0", caplog.text
+    # Every update and every dev batch ran a program compiled ahead. The gradient programs are
+    # queued after the update's, so the first call may compile its bucket's itself meanwhile,
+    # and so may a later call that comes before the worker has started its bucket's program.
+    m = re.search(r"compiled ahead ran: update step (\d+) of 10 calls, gradient step (\d+) of 10 "
+                  r"calls, eval step (\d+) of (\d+) calls", caplog.text)
+    assert m and m[1] == "10" and int(m[2]) >= 1 and m[3] == m[4] != "0", caplog.text

@@ -27,14 +27,14 @@ def tinybert():
     return _run("tinybert", "accum4x8")   # its only test reads accum4x8
 
 
-@pytest.mark.parametrize("layout", ["dp8", "fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["dp8", "fsdp", "tp", "fused_fsdp"])
 def test_sharded_step_equals_single_device(masked, layout):
     r = masked[layout]
     assert masked["devices"] == 8
     # Two steps on 8 devices vs 1: only the order of float reductions differs.
     assert r["maxdiff"] < 1e-5, r
     assert abs(r["loss"] - masked["ref_loss"]) < 1e-5
-    if layout == "fsdp":
+    if layout in ("fsdp", "fused_fsdp"):
         assert any("fsdp" in s for s in r["specs"]), "params must actually be sharded"
     if layout == "tp":
         assert any("model" in s for s in r["specs"])
@@ -51,3 +51,94 @@ def test_masked_mode_accumulation_is_per_micro_batch_mean(masked):
     # count, so with unequal padding accumulation is close to, not equal to, the big batch.
     r = masked["accum4x8"]
     assert 0 < r["maxdiff"] < 0.05, r
+
+
+def _built(split: bool, grad_accum: int = 1, objective="tinybert_intermediate"):
+    """A tiny teacher -> student step built as training builds it (AdamW with its global-norm
+    clipping and warm-up schedule, dropout on), fused or split."""
+    import jax
+
+    from jax_tinybert import build, plan
+    from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
+
+    tcfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      intermediate_size=128, num_labels=2)
+    scfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, num_labels=2)
+    config = plan.plan_config(objective=objective, grad_accum=grad_accum, split_update=split)
+    config.optim.learning_rate = 1e-3
+    obj = build.build_objective(config, scfg, tcfg)
+    teacher = build.teacher_module(config, tcfg, classifier=True)
+    tparams = init_params(teacher, jax.random.PRNGKey(0))
+    sparams = init_params(BertForSequenceClassification(scfg), jax.random.PRNGKey(1))
+    mesh = build.make_mesh(config)
+    built = build.build_step(config, student=build.student_module(config, scfg), teacher=teacher,
+                             objective=obj, student_params=sparams, teacher_params=tparams,
+                             mesh=mesh, total_steps=20)
+    return built, sparams, built.put_teacher(tparams)
+
+
+def _tiny_batch(seed=0, B=8, T=16):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(4, T + 1, B)
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
+    return {"input_ids": (rng.integers(1, 128, (B, T)) * mask).astype(np.int32),
+            "attention_mask": mask, "token_type_ids": np.zeros((B, T), np.int32),
+            "labels": rng.integers(0, 2, B).astype(np.int32), "valid": np.ones(B, np.float32)}
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_split_update_is_the_fused_step(grad_accum):
+    """Gradient + update programs (what training runs) give the one-program step's parameters,
+    moments and metrics: same math, the optimizer compiled on its own."""
+    import jax
+    import numpy as np
+
+    from jax_tinybert import sharding as shd
+    from jax_tinybert import step as step_lib
+
+    results = {}
+    for split in (False, True):
+        built, sparams, tp = _built(split, grad_accum)
+        assert isinstance(built.train_step, step_lib.SplitTrainStep) == split
+        state = built.init_state(sparams, seed=3)
+        for i in range(3):
+            state, m = built.train_step(state, tp, shd.shard_batch(_tiny_batch(i), built.mesh))
+        results[split] = jax.device_get((state, m))
+    (s0, m0), (s1, m1) = results[False], results[True]
+    assert int(s1.step) == 3 and sorted(m0) == sorted(m1)
+    assert {"loss", "grad_norm", "lr"} <= set(m1)
+    for a, b in zip(jax.tree_util.tree_leaves((s0.params, s0.opt_state, m0)),
+                    jax.tree_util.tree_leaves((s1.params, s1.opt_state, m1))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+def test_split_step_lowers_and_compiles_as_one_step():
+    """plan.py and the benchmarks read a step's `.lower(...).compile()`: the split pair runs as
+    the step, with both programs' FLOPs and a peak comparable to the fused program's."""
+    import jax
+
+    from jax_tinybert import sharding as shd
+
+    analyses = {}
+    for split in (False, True):
+        built, sparams, tp = _built(split, objective="tinybert_pred")
+        state = built.init_state(sparams, seed=3)
+        batch = shd.shard_batch(_tiny_batch(), built.mesh)
+        compiled = built.train_step.lower(built.abstract_state, built.abstract_teacher,
+                                          batch).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        mem = compiled.memory_analysis()
+        state, m = compiled(state, tp, batch)
+        assert int(jax.device_get(state.step)) == 1 and float(m["grad_norm"]) > 0
+        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                + mem.temp_size_in_bytes)
+        analyses[split] = (float(cost["flops"]), peak, mem.argument_size_in_bytes)
+    (f0, p0, a0), (f1, p1, a1) = analyses[False], analyses[True]
+    assert abs(f1 / f0 - 1) < 0.05, analyses
+    # The arguments (state with moments, teacher, batch) are the same bytes, up to a few of the
+    # metrics; the peak holds the gradients either way (outputs or temporaries).
+    assert abs(a1 / a0 - 1) < 1e-3 and 0.7 < p1 / p0 < 1.5, analyses

@@ -3,7 +3,10 @@
 Prints JSON: max abs param difference of each mesh layout vs the single-device step, and of
 grad accumulation 4 x 8 vs one batch of 32.
 
-    step_equivalence.py MODE [LAYOUTS]    # LAYOUTS: comma list of dp8,fsdp,tp,accum4x8 (all)
+    step_equivalence.py MODE [LAYOUTS]    # comma list of dp8,fsdp,tp,fused_fsdp,accum4x8 (all)
+
+Every step is the split one training runs (gradient + update programs), but fused_fsdp's: the
+one-program step (train.split_update=False) on the fsdp layout.
 """
 import json
 import os
@@ -28,7 +31,8 @@ from jax_tinybert.train_state import TrainState  # noqa: E402
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "masked"
 # Each layout is its own compile: a caller asks only for those it checks.
-wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else ["dp8", "fsdp", "tp", "accum4x8"]
+wanted = (sys.argv[2].split(",") if len(sys.argv) > 2
+          else ["dp8", "fsdp", "tp", "fused_fsdp", "accum4x8"])
 tcfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                   intermediate_size=128, num_labels=2)
 scfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -51,7 +55,7 @@ batch = {"input_ids": (rng.integers(1, 128, (B, T)) * mask).astype(np.int32),
          "labels": rng.integers(0, 2, B).astype(np.int32), "valid": np.ones(B, np.float32)}
 
 
-def run(mesh_spec, devices, grad_accum=1):
+def run(mesh_spec, devices, grad_accum=1, split=True):
     mesh = shd.make_mesh(mesh_spec, devices)
     abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, jax.random.PRNGKey(0)), params)
     ssh = shd.state_shardings(abstract, mesh, fsdp_min_size=64)
@@ -60,8 +64,13 @@ def run(mesh_spec, devices, grad_accum=1):
     tsh = shd.state_shardings(tparams, mesh, fsdp_min_size=64)
     # Dropout off so every layout computes the same function.
     loss_fn = step_lib.make_loss_fn(student, teacher, obj, student_dropout=False)
-    f = step_lib.jit_train_step(step_lib.make_train_step(loss_fn, tx, sched, grad_accum=grad_accum,
-                                                         mesh=mesh), ssh, tsh, mesh)
+    if split:   # as training runs it (train.split_update)
+        f = step_lib.jit_split_train_step(
+            step_lib.make_grad_step(loss_fn, grad_accum=grad_accum, mesh=mesh),
+            step_lib.make_update_step(tx, sched), ssh, tsh, mesh)
+    else:
+        f = step_lib.jit_train_step(step_lib.make_train_step(
+            loss_fn, tx, sched, grad_accum=grad_accum, mesh=mesh), ssh, tsh, mesh)
     tp = shd.put_sharded(tparams, tsh)
     for _ in range(2):
         state, m = f(state, tp, shd.shard_batch(batch, mesh))
@@ -82,6 +91,9 @@ for name, spec in {"dp8": {"data": 8}, "fsdp": {"data": 2, "fsdp": 4},
     if name in wanted:
         p, loss, specs = run(spec, devs)
         out[name] = {"maxdiff": maxdiff(ref, p), "loss": loss, "specs": specs}
+if "fused_fsdp" in wanted:   # the one-program step (train.split_update=False), sharded
+    p, loss, specs = run({"data": 2, "fsdp": 4}, devs, split=False)
+    out["fused_fsdp"] = {"maxdiff": maxdiff(ref, p), "loss": loss, "specs": specs}
 if "accum4x8" in wanted:
     p, loss, _ = run({"data": 8}, devs, grad_accum=4)
     out["accum4x8"] = {"maxdiff": maxdiff(ref, p), "loss": loss}
