@@ -313,8 +313,8 @@ def _with_shardings(tree, shardings):
 class Step:
     """The jitted steps of one run and the shardings they were compiled for.
 
-    train_step(state, teacher_params, batch) -> (state, metrics); state donated. A
-        step_lib.SplitTrainStep (gradient + update programs) unless train.split_update=False.
+    train_step(state, teacher_params, batch) -> (state, metrics); state donated. One jitted
+        program, or a step_lib.SplitTrainStep (gradient + update programs; splits_update).
     eval_step(student_params, batch) -> logits [B, C] (None when not asked for).
     abstract_state / abstract_teacher: ShapeDtypeStructs with shardings (for restore / lower).
     loss_fn(params, teacher_params, batch, rng) -> (loss, terms): what train_step differentiates.
@@ -348,11 +348,37 @@ class Step:
         return shd.put_sharded(teacher_params, self.teacher_shardings)
 
 
+# train.split_update='auto' runs the optimizer update as a program of its own in runs short
+# for their number of length buckets. Measured on a 2-core Intel Xeon (session 15, SST-2
+# prediction stage, benchmarks/RESULTS.md): compiled apart, the update leaves each bucket's
+# program 2.4 s (intermediate: 3.2 s) quicker to compile, once 1.7 s for its own; run apart it
+# costs ~4 ms a step (steps ~3% slower: it no longer overlaps the backward pass). That breaks
+# even near 600 steps per bucket; steps per bucket below this split. Not measured on an
+# accelerator, where the fused step stays.
+SPLIT_STEPS_PER_BUCKET = {"cpu": 500}
+
+
+def splits_update(config, total_steps: int, num_buckets: int) -> bool:
+    """Whether the train step runs the update as a program of its own (train.split_update:
+    'always', 'never', or 'auto': total_steps <= SPLIT_STEPS_PER_BUCKET x num_buckets, the
+    number of train step programs the run compiles)."""
+    mode = config.train.split_update
+    if mode in ("always", "never"):
+        return mode == "always"
+    if mode != "auto":
+        raise ConfigValueError(f"config.train.split_update={mode!r}: expected 'auto', 'always' "
+                               "or 'never'")
+    per = SPLIT_STEPS_PER_BUCKET.get(jax.default_backend(), 0)
+    return total_steps <= per * max(1, num_buckets)
+
+
 def build_step(config, *, student, teacher, objective: objectives.Objective, student_params,
-               teacher_params, mesh, total_steps: int, with_eval: bool = False) -> Step:
+               teacher_params, mesh, total_steps: int, with_eval: bool = False,
+               num_buckets: int = 1) -> Step:
     """Shardings and jitted steps for `student` (+ `teacher`, None when the step runs without
-    one, e.g. teacher outputs cached) under `config` (optim, train.grad_accum, mesh.fsdp_min_size,
-    student/teacher dropout). Params may be arrays or ShapeDtypeStructs: only shapes are read."""
+    one, e.g. teacher outputs cached) under `config` (optim, train.grad_accum, train.split_update
+    with the run's `total_steps` and `num_buckets`, mesh.fsdp_min_size, student/teacher dropout).
+    Params may be arrays or ShapeDtypeStructs: only shapes are read."""
     tx, schedule = build_optimizer(config, total_steps)
     key = jax.random.PRNGKey(0)
     proj = jax.eval_shape(objective.init_projection, key)
@@ -369,7 +395,7 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
                                     teacher_dropout=config.teacher.dropout,
                                     student_dropout=config.student.dropout)
     accum = config.train.grad_accum
-    if config.train.split_update:
+    if splits_update(config, total_steps, num_buckets):
         train_step = step_lib.jit_split_train_step(
             step_lib.make_grad_step(loss_fn, grad_accum=accum, mesh=mesh),
             step_lib.make_update_step(tx, schedule), state_sh, teacher_sh, mesh)
@@ -521,6 +547,11 @@ def build_run(config, workdir: str) -> Run:
     teacher = models.teacher if teacher_in_step(config, obj) and not cached else None
     step = build_step(config, student=models.student, teacher=teacher, objective=obj,
                       student_params=models.student_params, teacher_params=models.teacher_params,
-                      mesh=mesh, total_steps=total, with_eval=evaluates(obj, data))
+                      mesh=mesh, total_steps=total, with_eval=evaluates(obj, data),
+                      num_buckets=len(data.train_batches.buckets))
+    log.info("train step: %s (train.split_update=%s, %d steps, %d length buckets)",
+             "a gradient program per bucket and one update program"
+             if isinstance(step.train_step, step_lib.SplitTrainStep) else "one program per bucket",
+             config.train.split_update, total, len(data.train_batches.buckets))
     return Run(config, mesh, data, models, obj, total, step, cache,
                step.put_teacher(models.teacher_params), builder)

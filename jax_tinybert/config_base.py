@@ -100,9 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
         eval_batch_size=64, checkpoint_every=200, max_to_keep=2,
         # Compile the step of every length bucket ahead, in a background thread (precompile.py).
         compile_ahead=True,
-        # The optimizer update as its own program, compiled once, not in every bucket's step
-        # (step.SplitTrainStep); False: one fused program per bucket.
-        split_update=True))
+        # The optimizer update as a program of its own, compiled once instead of in every
+        # length bucket's step (step.SplitTrainStep): auto (short runs, build.splits_update) |
+        # always | never.
+        split_update="auto"))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1, fsdp_min_size=16384))
     c.export = ml_collections.ConfigDict(dict(enabled=True))
     return c

@@ -157,6 +157,7 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "optim.name": optim.OPTIMIZERS, "optim.schedule": optim.SCHEDULES,
         "teacher.dtype": DTYPES, "student.dtype": DTYPES,
         "teacher.cache_tokens": ("auto", "always", "never"),
+        "train.split_update": ("auto", "always", "never"),
         "teacher.cache_dtype": ("float16", "float32"),
     }
 

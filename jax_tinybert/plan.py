@@ -77,7 +77,7 @@ def plan_config(*, objective: str = "tinybert_intermediate", objective_cfg: Opti
                 optim_cfg: Optional[dict] = None, grad_accum: int = 1,
                 fsdp_min_size: int = 16384, student_dropout: bool = True,
                 teacher_dtype: str = "float32", student_dtype: str = "float32",
-                remat: bool = False, split_update: bool = True) -> ml_collections.ConfigDict:
+                remat: bool = False, split_update: str = "auto") -> ml_collections.ConfigDict:
     """The run config the plan stands for: config_base's defaults plus the planner's options."""
     c = config_base.base_config()
     c.objective.name = objective

@@ -173,9 +173,9 @@ class SplitTrainStep:
 
     Why: a fused step compiles the optimizer's update (AdamW over every parameter leaf) into the
     program of every length bucket. Compiled once on its own, each bucket's program compiles
-    ~2.2 s faster on a 2-core Xeon (3.6 vs 5.9 s at T 16), for steps ~1% slower (the gradients
-    go through memory between the two); the parameters after a step are bit-identical (session
-    15, benchmarks/RESULTS.md). `train.split_update=False` gives the fused program.
+    2.4-3.2 s faster on a 2-core Xeon, for steps ~3% slower (the update no longer overlaps the
+    backward pass); the two give the same parameters up to float rounding (session 15,
+    benchmarks/RESULTS.md). `train.split_update` picks one (build.splits_update).
 
     `lower(...)` / `.compile()` mirror jax.jit's: the compiled pair runs as the step does, with
     the two programs' cost analyses added and their memory analyses combined (`SplitLowered`).

@@ -65,7 +65,8 @@ def _built(split: bool, grad_accum: int = 1, objective="tinybert_intermediate"):
                       intermediate_size=128, num_labels=2)
     scfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       intermediate_size=64, num_labels=2)
-    config = plan.plan_config(objective=objective, grad_accum=grad_accum, split_update=split)
+    config = plan.plan_config(objective=objective, grad_accum=grad_accum,
+                              split_update="always" if split else "never")
     config.optim.learning_rate = 1e-3
     obj = build.build_objective(config, scfg, tcfg)
     teacher = build.teacher_module(config, tcfg, classifier=True)
@@ -91,7 +92,7 @@ def _tiny_batch(seed=0, B=8, T=16):
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_split_update_is_the_fused_step(grad_accum):
-    """Gradient + update programs (what training runs) give the one-program step's parameters,
+    """Gradient + update programs (what short runs train with) give the one-program step's parameters,
     moments and metrics: same math, the optimizer compiled on its own."""
     import jax
     import numpy as np
@@ -142,3 +143,22 @@ def test_split_step_lowers_and_compiles_as_one_step():
     # The arguments (state with moments, teacher, batch) are the same bytes, up to a few of the
     # metrics; the peak holds the gradients either way (outputs or temporaries).
     assert abs(a1 / a0 - 1) < 1e-3 and 0.7 < p1 / p0 < 1.5, analyses
+
+
+def test_auto_splits_the_update_in_runs_short_for_their_buckets():
+    from jax_tinybert import build, config_base
+    from jax_tinybert.config_check import ConfigValueError
+
+    c = config_base.base_config()
+    per = build.SPLIT_STEPS_PER_BUCKET["cpu"]
+    assert c.train.split_update == "auto"
+    assert build.splits_update(c, total_steps=6 * per, num_buckets=6)        # SST-2, 1 epoch
+    assert not build.splits_update(c, total_steps=6 * per + 1, num_buckets=6)
+    assert not build.splits_update(c, total_steps=3 * 2101, num_buckets=6)   # 3 epochs
+    c.train.split_update = "always"
+    assert build.splits_update(c, total_steps=10 ** 6, num_buckets=1)
+    c.train.split_update = "never"
+    assert not build.splits_update(c, total_steps=1, num_buckets=6)
+    c.train.split_update = "sometimes"
+    with pytest.raises(ConfigValueError, match="split_update"):
+        build.splits_update(c, total_steps=1, num_buckets=1)

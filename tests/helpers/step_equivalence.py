@@ -5,8 +5,8 @@ grad accumulation 4 x 8 vs one batch of 32.
 
     step_equivalence.py MODE [LAYOUTS]    # comma list of dp8,fsdp,tp,fused_fsdp,accum4x8 (all)
 
-Every step is the split one training runs (gradient + update programs), but fused_fsdp's: the
-one-program step (train.split_update=False) on the fsdp layout.
+Every step is the split one (gradient + update programs), but fused_fsdp's: the
+one-program step (train.split_update='never') on the fsdp layout.
 """
 import json
 import os
@@ -64,7 +64,7 @@ def run(mesh_spec, devices, grad_accum=1, split=True):
     tsh = shd.state_shardings(tparams, mesh, fsdp_min_size=64)
     # Dropout off so every layout computes the same function.
     loss_fn = step_lib.make_loss_fn(student, teacher, obj, student_dropout=False)
-    if split:   # as training runs it (train.split_update)
+    if split:   # as short runs train (train.split_update)
         f = step_lib.jit_split_train_step(
             step_lib.make_grad_step(loss_fn, grad_accum=grad_accum, mesh=mesh),
             step_lib.make_update_step(tx, sched), ssh, tsh, mesh)
@@ -91,7 +91,7 @@ for name, spec in {"dp8": {"data": 8}, "fsdp": {"data": 2, "fsdp": 4},
     if name in wanted:
         p, loss, specs = run(spec, devs)
         out[name] = {"maxdiff": maxdiff(ref, p), "loss": loss, "specs": specs}
-if "fused_fsdp" in wanted:   # the one-program step (train.split_update=False), sharded
+if "fused_fsdp" in wanted:   # the one-program step (train.split_update='never'), sharded
     p, loss, specs = run({"data": 2, "fsdp": 4}, devs, split=False)
     out["fused_fsdp"] = {"maxdiff": maxdiff(ref, p), "loss": loss, "specs": specs}
 if "accum4x8" in wanted:
