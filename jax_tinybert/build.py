@@ -348,28 +348,32 @@ class Step:
         return shd.put_sharded(teacher_params, self.teacher_shardings)
 
 
-# train.split_update='auto' runs the optimizer update as a program of its own in runs short
-# for their number of length buckets. Measured on a 2-core Intel Xeon (session 15, SST-2
-# prediction stage, benchmarks/RESULTS.md): compiled apart, the update leaves each bucket's
-# program 2.4 s (intermediate: 3.2 s) quicker to compile, once 1.7 s for its own; run apart it
-# costs ~4 ms a step (steps ~3% slower: it no longer overlaps the backward pass). That breaks
-# even near 600 steps per bucket; steps per bucket below this split. Not measured on an
-# accelerator, where the fused step stays.
+# train.split_update='auto' runs the optimizer update as a program of its own where that was
+# measured faster. On a 2-core Intel Xeon (session 15, SST-2, benchmarks/RESULTS.md), compiled
+# apart, the update leaves each bucket's program 2.4 s (prediction) / 3.2 s (intermediate)
+# quicker to compile, once 1.7-2.2 s for its own. Run apart, it made prediction steps ~3% slower
+# (~4 ms: it no longer overlaps the backward pass; a CLI A/B of 4 pairs), which breaks even near
+# 600 steps per bucket: below SPLIT_STEPS_PER_BUCKET steps per bucket the update is split.
+# Intermediate-layer steps were no slower split (-1.5% in one process, -3.5% over a full later
+# epoch), so they always split. Not measured on an accelerator, where the fused step stays.
 SPLIT_STEPS_PER_BUCKET = {"cpu": 500}
+SPLIT_ALWAYS_OBJECTIVES = {"cpu": ("tinybert_intermediate",)}
 
 
 def splits_update(config, total_steps: int, num_buckets: int) -> bool:
     """Whether the train step runs the update as a program of its own (train.split_update:
-    'always', 'never', or 'auto': total_steps <= SPLIT_STEPS_PER_BUCKET x num_buckets, the
-    number of train step programs the run compiles)."""
+    'always', 'never', or 'auto': on CPU, the intermediate-layer objective, or a run of
+    total_steps <= SPLIT_STEPS_PER_BUCKET x num_buckets, the train programs it compiles)."""
     mode = config.train.split_update
     if mode in ("always", "never"):
         return mode == "always"
     if mode != "auto":
         raise ConfigValueError(f"config.train.split_update={mode!r}: expected 'auto', 'always' "
                                "or 'never'")
-    per = SPLIT_STEPS_PER_BUCKET.get(jax.default_backend(), 0)
-    return total_steps <= per * max(1, num_buckets)
+    backend = jax.default_backend()
+    if config.objective.name in SPLIT_ALWAYS_OBJECTIVES.get(backend, ()):
+        return True
+    return total_steps <= SPLIT_STEPS_PER_BUCKET.get(backend, 0) * max(1, num_buckets)
 
 
 def build_step(config, *, student, teacher, objective: objectives.Objective, student_params,

@@ -185,26 +185,39 @@ class SplitTrainStep:
         self.grads, self.update = grads, update
 
     def __call__(self, state, teacher_params, batch):
-        grads, metrics = self.grads(state, teacher_params, batch)
-        state, more = self.update(state, grads)
-        return state, dict(metrics, **more)
+        return _run_pair(self.grads, self.update, state, teacher_params, batch)
 
     def lower(self, state, teacher_params, batch) -> "SplitLowered":
         g = self.grads.lower(state, teacher_params, batch)
         return SplitLowered(g, self.update.lower(state, g.out_info[0]))
 
 
-class SplitLowered:
-    """The lowered gradient and update programs of a SplitTrainStep (`parts`)."""
+def _run_pair(grads_fn, update_fn, state, teacher_params, batch):
+    grads, metrics = grads_fn(state, teacher_params, batch)
+    state, more = update_fn(state, grads)
+    return state, dict(metrics, **more)
+
+
+class _Programs:
+    """The gradient and update programs (`parts`), lowered or compiled, with XLA's cost
+    analysis of the two added key by key."""
 
     def __init__(self, grads, update):
-        self.parts = (grads, update)
+        self.grads, self.update = grads, update
 
-    def compile(self) -> "SplitCompiled":
-        return SplitCompiled(*(p.compile() for p in self.parts))
+    @property
+    def parts(self) -> tuple:
+        return (self.grads, self.update)
 
     def cost_analysis(self) -> Dict[str, float]:
         return _add_costs(p.cost_analysis() for p in self.parts)
+
+
+class SplitLowered(_Programs):
+    """The lowered programs of a SplitTrainStep."""
+
+    def compile(self) -> "SplitCompiled":
+        return SplitCompiled(*(p.compile() for p in self.parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,15 +230,11 @@ class MemoryAnalysis:
     generated_code_size_in_bytes: int
 
 
-class SplitCompiled(SplitTrainStep):
-    """The compiled gradient and update programs: callable as the step, with XLA's analyses."""
+class SplitCompiled(_Programs):
+    """The compiled programs of a SplitTrainStep: callable as the step, with XLA's analyses."""
 
-    @property
-    def parts(self):
-        return (self.grads, self.update)
-
-    def cost_analysis(self) -> Dict[str, float]:
-        return _add_costs(p.cost_analysis() for p in self.parts)
+    def __call__(self, state, teacher_params, batch):
+        return _run_pair(self.grads, self.update, state, teacher_params, batch)
 
     def memory_analysis(self) -> MemoryAnalysis:
         """As one program would report it: the arguments of both (the state with its moments,

@@ -152,6 +152,9 @@ def test_auto_splits_the_update_in_runs_short_for_their_buckets():
     c = config_base.base_config()
     per = build.SPLIT_STEPS_PER_BUCKET["cpu"]
     assert c.train.split_update == "auto"
+    c.objective.name = "tinybert_intermediate"   # measured no slower split: any length
+    assert build.splits_update(c, total_steps=10 ** 6, num_buckets=1)
+    c.objective.name = "tinybert_pred"
     assert build.splits_update(c, total_steps=6 * per, num_buckets=6)        # SST-2, 1 epoch
     assert not build.splits_update(c, total_steps=6 * per + 1, num_buckets=6)
     assert not build.splits_update(c, total_steps=3 * 2101, num_buckets=6)   # 3 epochs
