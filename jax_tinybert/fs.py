@@ -82,6 +82,12 @@ class RemoteFSError(OSError):
 _OFF = ("0", "off", "false", "no", "none", "")
 
 
+def env_off(name: str) -> bool:
+    """Whether environment variable `name` is set to off (0/off/false/no/none/empty)."""
+    v = os.environ.get(name)
+    return v is not None and v.strip().lower() in _OFF
+
+
 def cache_root() -> Optional[str]:
     """$XDG_CACHE_HOME/jax_tinybert, default ~/.cache/jax_tinybert: where the compile cache and
     the stores live. None without a home folder (HOME unset in a bare container): nothing
@@ -94,10 +100,12 @@ def shared_store(env: str, name: str) -> Optional[str]:
     """A folder that runs on this machine share: $env, default cache_root()/<name>; None when
     $env is off (0/off/false/no/none/empty) or there is no cache root."""
     v = os.environ.get(env)
+    if env_off(env):
+        return None
     if v is None:
         root = cache_root()
         return None if root is None else os.path.join(root, name)
-    return None if v.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(v))
+    return os.path.abspath(os.path.expanduser(v))
 
 
 def is_remote(path) -> bool:

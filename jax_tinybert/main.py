@@ -34,7 +34,7 @@ def _early_env() -> None:
     # shapes reuses the compiled steps (one compilation per bucket costs ~5-9 s on 2 CPU
     # cores). JTB_COMPILE_CACHE=off disables it; JAX_COMPILATION_CACHE_DIR picks the folder.
     root = fs.cache_root()
-    if root and os.environ.get("JTB_COMPILE_CACHE", "").lower() not in ("0", "off", "false", "no"):
+    if root and not fs.env_off("JTB_COMPILE_CACHE"):
         to_jax["jax_compilation_cache_dir"] = os.environ.setdefault(
             "JAX_COMPILATION_CACHE_DIR", os.path.join(root, "xla"))
     if "jax" in sys.modules:

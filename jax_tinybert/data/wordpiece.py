@@ -79,8 +79,8 @@ def _content(v) -> Optional[str]:
 
 def load(path: str) -> Optional[BertWordPiece]:
     """The BertTokenizerFast of local folder `path`, or None where this would not reproduce it
-    exactly (not a local folder, no tokenizer.json / tokenizer_config.json, another tokenizer class, extra special
-    tokens, tokens transformers would add)."""
+    exactly (not a local folder, no tokenizer.json / tokenizer_config.json, another tokenizer
+    class, extra special tokens, tokens transformers would add)."""
     tj = os.path.join(path, "tokenizer.json")
     cj = os.path.join(path, "tokenizer_config.json")
     if not (os.path.isfile(tj) and os.path.isfile(cj)):
