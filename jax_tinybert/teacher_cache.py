@@ -249,16 +249,20 @@ def _fingerprint_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list:
 # ----------------------------------------------------------------------------- building
 
 def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Sequence[int] = (),
-                 attention_layers: Sequence[int] = ()):
+                 attention_layers: Sequence[int] = (), token_fields: Sequence[str] = (),
+                 token_dtype: str = "float32"):
     """Jitted (params, input_ids, attention_mask, token_type_ids) -> {field: [b, ...]}.
 
     feature_fn(BertOutput) -> dict, e.g. `objective.teacher_features`; default: `teacher_logits`
     [b, C] (when the model has a head) and `teacher_cls` [b, K, D] = the [CLS] vector of the
     1-based `cls_layers` (0 = embeddings). attention_layers: 1-based layers whose attention
     logits the model returns (for a feature_fn that reads them). Deterministic (no dropout).
+    Fields are float32, those in `token_fields` `token_dtype`: cast inside the program, so
+    a float16 per-token cache copies half the bytes to the host and converts nothing there.
     """
     attn = tuple(int(i) for i in attention_layers) or False
     layers = tuple(int(i) for i in cls_layers)
+    dtypes = {k: jnp.dtype(token_dtype) for k in token_fields}
 
     def default(out):
         d = {}
@@ -274,7 +278,8 @@ def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Seque
     def forward(params, input_ids, attention_mask, token_type_ids):
         out = model.apply({"params": params}, input_ids, attention_mask, token_type_ids,
                           deterministic=True, attention_logits=attn)
-        return {k: v.astype(jnp.float32) for k, v in fn(out).items() if v is not None}
+        return {k: v.astype(dtypes.get(k, jnp.float32)) for k, v in fn(out).items()
+                if v is not None}
 
     return forward
 
@@ -305,6 +310,22 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         files: Dict[str, np.ndarray] = {}
         filled = np.zeros((num_examples,), bool)
         tokens = _TokenWriter(tmp, token_fields, token_dtype, num_examples)
+
+        def store(feats, ids, keep, T):
+            feats = tokens.write(jax.device_get(feats), ids[keep], keep, T)
+            for k, v in feats.items():
+                v = np.asarray(v, np.float32)
+                if k not in files:
+                    files[k] = np.lib.format.open_memmap(
+                        os.path.join(tmp, k + ".npy"), mode="w+", dtype=np.float32,
+                        shape=(num_examples,) + v.shape[1:])
+                files[k][ids[keep]] = v[keep]
+            filled[ids[keep]] = True
+            prog.update(int(keep.sum()))
+
+        # One batch in flight: its forward runs (dispatch is asynchronous) while the host
+        # copies out and writes the one before (11 s of 46 s of an MRPC intermediate build).
+        pending = None
         for batch in batches:
             ids = np.asarray(batch["example_id"], np.int64)
             keep = ids >= 0
@@ -315,17 +336,13 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
             if np.any(ids[keep] >= num_examples):
                 raise IndexError(f"teacher cache: example_id {int(ids[keep].max())} >= "
                                  f"num_examples {num_examples}")
-            feats = jax.device_get(forward(params, *(np.asarray(batch[k]) for k in MODEL_KEYS)))
-            feats = tokens.write(feats, ids[keep], keep, np.asarray(batch["input_ids"]).shape[1])
-            for k, v in feats.items():
-                v = np.asarray(v, np.float32)
-                if k not in files:
-                    files[k] = np.lib.format.open_memmap(
-                        os.path.join(tmp, k + ".npy"), mode="w+", dtype=np.float32,
-                        shape=(num_examples,) + v.shape[1:])
-                files[k][ids[keep]] = v[keep]
-            filled[ids[keep]] = True
-            prog.update(int(keep.sum()))
+            feats = forward(params, *(np.asarray(batch[k]) for k in MODEL_KEYS))
+            if pending is not None:
+                store(*pending)
+            pending = (feats, ids, keep, np.asarray(batch["input_ids"]).shape[1])
+        if pending is not None:
+            store(*pending)
+            pending = None
         prog.close()
         if not files and not tokens.written:
             raise ValueError(f"teacher cache {path}: the batches held no valid rows")
@@ -383,11 +400,14 @@ class _TokenWriter:
             raise ValueError(f"teacher cache: the forward returned no {missing}")
         self.index[ids, 0] = T
         for j, k in enumerate(self.names):
-            v = np.ascontiguousarray(np.asarray(feats[k])[keep], self.dtype)
+            v = np.asarray(feats[k])
+            # Copies only to drop rows or convert (a forward from make_forward(token_fields=...)
+            # returns this dtype already).
+            v = np.ascontiguousarray(v if keep.all() else v[keep], self.dtype)
             n = int(np.prod(v.shape[1:]))
             self.row_shapes[k].setdefault(str(T), list(v.shape[1:]))
             self.index[ids, 1 + j] = self.offsets[k] + n * np.arange(len(ids))
-            self.handles[k].write(v.tobytes())
+            self.handles[k].write(memoryview(v).cast("B"))
             self.offsets[k] += n * len(ids)
         self.written += len(ids)
         return {k: v for k, v in feats.items() if k not in self.names}
@@ -520,7 +540,8 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         # prediction stage after this one (same teacher, same data) reads them from the store.
         def features(out):
             return dict(obj.teacher_features(out), teacher_logits=out.logits)
-    forward = make_forward(models.teacher, features, attention_layers=attn_layers)
+    forward = make_forward(models.teacher, features, attention_layers=attn_layers,
+                           token_fields=token_fields, token_dtype=token_dtype or "float32")
     # What the per-example outputs depend on, whichever objective asks: the logits-only entry of
     # an intermediate build is the one a prediction or KD run looks for.
     share_fp = dict(fingerprint, layers=[] if token_fields else fingerprint["layers"],

@@ -381,6 +381,7 @@ def test_intermediate_cache_equals_live_teacher(tmp_path, small, dtype, tol):
         want_attn = np.asarray(live.attention_logits[1])[:, None]
         want_hid = np.stack([np.asarray(live.hidden_states[i]) for i in (0, 2)], 1)
         assert got["teacher_attn"].shape == (8, 1, 4, T, T)
+        assert got["teacher_attn"].dtype == got["teacher_hidden"].dtype == np.dtype(dtype)
         np.testing.assert_allclose(got["teacher_attn"], want_attn, atol=scale(want_attn))
         np.testing.assert_allclose(got["teacher_hidden"], want_hid, atol=scale(want_hid))
         # The loss from the cached outputs equals the loss from the live teacher.
