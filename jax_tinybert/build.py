@@ -12,7 +12,8 @@ Everything that trains, plans or benchmarks a step goes through `build_step`, so
     build_optimizer                config.optim -> (optax transform, lr schedule)
     student_module / teacher_module  the flax modules with the config's dtype / remat / head
     build_step                     shardings of state and teacher, jitted train and eval steps
-    build_run                      all of the above for one stage, plus the teacher cache
+    build_run                      all of the above for one stage, plus the teacher cache (built
+                                   on first use: Run.ensure_cache)
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -431,9 +432,11 @@ class Run:
     step: Step
     cache: Optional[teacher_cache.TeacherCache]
     teacher_params: Any
-    # Builds the per-token (intermediate) cache on first use: GBs and minutes, so train.py asks
+    # Builds the teacher cache on first use (the per-token one is GBs and minutes): train.py asks
     # for it only when steps are left to train (not for a finished run rerun in place).
     cache_builder: Optional[Callable[[], teacher_cache.TeacherCache]] = None
+    # batch -> {field: ShapeDtypeStruct}: what the cache will add to it (for compiling ahead).
+    cache_spec: Optional[Callable[[Dict[str, np.ndarray]], Dict[str, Any]]] = None
 
     @property
     def evaluates(self) -> bool:
@@ -535,19 +538,23 @@ def build_run(config, workdir: str) -> Run:
     models = build_models(config, data.num_labels, data.id2label)
     obj = build_objective(config, models.student_config, models.teacher_config)
     total = total_steps(config, data.train_batches.steps_per_epoch)
-    cache, builder = None, None
-    if uses_teacher_cache(config, obj):
-        cache = teacher_cache.build_for_training(models, obj, data, workdir, mesh,
-                                                 num_steps=total, store=teacher_store.from_env())
-    else:
+    # Either cache is built by train.py (Run.ensure_cache), after the train step's programs are
+    # queued for compiling: they compile while the teacher runs.
+    cached, token_dtype = uses_teacher_cache(config, obj), None
+    if not cached:
         tokens, why = token_cache_plan(config, obj, data, total, workdir)
         if obj.teacher_token_cacheable and config.teacher.cache_tokens != "never":
             log.info("teacher per-token cache: %s (%s)", "yes" if tokens else "no", why)
-        if tokens:
-            builder = lambda: teacher_cache.build_for_training(  # noqa: E731
-                models, obj, data, workdir, mesh, num_steps=total,
-                token_dtype=config.teacher.cache_dtype, store=teacher_store.from_env())
-    cached = cache is not None or builder is not None
+        cached, token_dtype = tokens, (config.teacher.cache_dtype if tokens else None)
+    builder = spec = None
+    if cached:
+        def builder():
+            return teacher_cache.build_for_training(models, obj, data, workdir, mesh,
+                                                    num_steps=total, token_dtype=token_dtype,
+                                                    store=teacher_store.from_env())
+
+        def spec(batch):
+            return teacher_cache.lookup_spec(models, obj, batch, token_dtype)
     teacher = models.teacher if teacher_in_step(config, obj) and not cached else None
     step = build_step(config, student=models.student, teacher=teacher, objective=obj,
                       student_params=models.student_params, teacher_params=models.teacher_params,
@@ -557,5 +564,5 @@ def build_run(config, workdir: str) -> Run:
              "a gradient program per bucket and one update program"
              if isinstance(step.train_step, step_lib.SplitTrainStep) else "one program per bucket",
              config.train.split_update, total, len(data.train_batches.buckets))
-    return Run(config, mesh, data, models, obj, total, step, cache,
-               step.put_teacher(models.teacher_params), builder)
+    return Run(config, mesh, data, models, obj, total, step, None,
+               step.put_teacher(models.teacher_params), builder, spec)

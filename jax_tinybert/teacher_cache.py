@@ -534,14 +534,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     def batches():
         return _row_batches(ds, rows, buckets, batch_size)
 
-    features = obj.teacher_features
-    if token_fields:
-        # The logits cost one pooler + classifier on the forward that runs anyway: stored so the
-        # prediction stage after this one (same teacher, same data) reads them from the store.
-        def features(out):
-            return dict(obj.teacher_features(out), teacher_logits=out.logits)
-    forward = make_forward(models.teacher, features, attention_layers=attn_layers,
-                           token_fields=token_fields, token_dtype=token_dtype or "float32")
+    forward = _training_forward(models, obj, token_dtype)
     # What the per-example outputs depend on, whichever objective asks: the logits-only entry of
     # an intermediate build is the one a prediction or KD run looks for.
     share_fp = dict(fingerprint, layers=[] if token_fields else fingerprint["layers"],
@@ -575,6 +568,35 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         # The intermediate loss reads the per-token fields only: its batches get nothing else.
         cache.fields = {k: v for k, v in cache.fields.items() if k != "teacher_logits"}
     return cache
+
+
+def _training_forward(models, obj, token_dtype: Optional[str]) -> Callable:
+    """The forward a training run's cache is built with (see `build_for_training`)."""
+    token_fields = tuple(obj.token_cache_fields) if token_dtype else ()
+    features = obj.teacher_features
+    if token_fields:
+        # The logits cost one pooler + classifier on the forward that runs anyway: stored so the
+        # prediction stage after this one (same teacher, same data) reads them from the store.
+        def features(out):
+            return dict(obj.teacher_features(out), teacher_logits=out.logits)
+    return make_forward(models.teacher, features,
+                        attention_layers=obj.teacher_attention_layers if token_fields else (),
+                        token_fields=token_fields, token_dtype=token_dtype or "float32")
+
+
+def lookup_spec(models, obj, batch: Mapping[str, Any],
+                token_dtype: Optional[str] = None) -> Dict[str, jax.ShapeDtypeStruct]:
+    """What `lookup` adds to `batch` (int [b, T] model inputs) from the cache that
+    `build_for_training(models, obj, ..., token_dtype=token_dtype)` builds, as shapes and dtypes,
+    without running the teacher: the train step can be compiled for those batches while the cache
+    is being built. {field: ShapeDtypeStruct [b, ...]}."""
+    forward = _training_forward(models, obj, token_dtype)
+    out = jax.eval_shape(forward, models.teacher_params,
+                         *(jax.ShapeDtypeStruct(np.shape(batch[k]), np.asarray(batch[k]).dtype)
+                           for k in MODEL_KEYS))
+    if token_dtype:
+        out.pop("teacher_logits", None)   # the intermediate loss reads the per-token fields only
+    return out
 
 
 def _row_batches(ds, rows: Optional[np.ndarray], buckets, batch_size: int):

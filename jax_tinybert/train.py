@@ -57,34 +57,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     ckpt = Checkpointer(workdir, max_to_keep=config.train.max_to_keep,
                         save_interval_steps=config.train.checkpoint_every,
                         keep_best=run.evaluates, best_metric="main", best_mode="max")
-    # A deferred (per-token) teacher cache is built before the SIGTERM handler is installed, so
-    # a preemption during the build stops at once; and only when steps are left to train.
-    if (ckpt.latest_step() or 0) < run.total_steps:
-        run.ensure_cache()
-    preemption = Preemption().install()
     start_step, state, best, past = _restore(ckpt, run, state, workdir)
-    if start_step < run.total_steps:
-        run.ensure_cache()   # the latest checkpoint was damaged: an earlier one was restored
     # The run so far (carried in each checkpoint's meta), so that summary.json covers every
     # segment of a resumed run, and a finished run rerun in place keeps its history.
     history = list(past.get("eval_history", []))
     wall_before = _wall_before(workdir, start_step, past)
-
-    # ----------------------------------------------------------------- loop
-    writer = MetricsWriter(workdir, enabled=is_main, start_step=start_step)
-    if run.cache is not None and run.cache.build_stats:
-        writer.write(start_step, run.cache.build_stats, prefix="teacher_cache")
-    if is_main:
-        _announce(run)
-    log = _TrainLog(run, writer, start_step)
-    log.last = dict(past.get("last_train", {}))
-    eval_every = config.train.eval_every or run.data.train_batches.steps_per_epoch
-    fingerprint = config_fingerprint(config)[0]
-    compiler = precompile.Compiler() if config.train.compile_ahead else None
+    compiler = (precompile.Compiler() if config.train.compile_ahead
+                and start_step < run.total_steps else None)
+    preemption, writer = Preemption(), None
     # The SIGTERM handler must not outlive this stage when it stops early (Preempted) or fails:
     # library callers (pipeline, benchmarks) run several stages in one process.
     try:
+        # Queued before the teacher cache is built, so the worker compiles while the teacher
+        # runs (MRPC: the first step no longer waits ~9 s for its program after the build).
         train_step, eval_step = _steps(run, compiler, start_step)
+        if start_step < run.total_steps:
+            # Before the SIGTERM handler is installed, so a preemption during the build stops at
+            # once; and only when steps are left to train.
+            run.ensure_cache()
+        preemption.install()
+
+        # ------------------------------------------------------------- loop
+        writer = MetricsWriter(workdir, enabled=is_main, start_step=start_step)
+        if run.cache is not None and run.cache.build_stats:
+            writer.write(start_step, run.cache.build_stats, prefix="teacher_cache")
+        if is_main:
+            _announce(run)
+        log = _TrainLog(run, writer, start_step)
+        log.last = dict(past.get("last_train", {}))
+        eval_every = config.train.eval_every or run.data.train_batches.steps_per_epoch
+        fingerprint = config_fingerprint(config)[0]
         step = start_step
         while step < run.total_steps:
             batch = next(run.data.train_batches)
@@ -107,7 +109,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
         ckpt.wait()
     except BaseException:
         # A bucket workdir gets the metrics so far (locally they are on disk already).
-        writer.upload(quiet=True)
+        if writer is not None:
+            writer.upload(quiet=True)
         raise
     finally:
         preemption.uninstall()
@@ -285,6 +288,15 @@ def _feed(run: build.Run, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
     return shd.shard_batch({k: v for k, v in batch.items() if k != "example_id"}, run.mesh)
 
 
+def _sample_feed(run: build.Run, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+    """`_feed`'s batch for compiling the step ahead: the same shapes, dtypes and shardings, with
+    zeros for the teacher cache's fields while the cache is not built yet."""
+    if run.cache is None and run.cache_spec is not None:
+        spec = run.cache_spec(batch)
+        batch = dict(batch, **{k: np.zeros(v.shape, v.dtype) for k, v in spec.items()})
+    return _feed(run, batch)
+
+
 def _first_of_each_length(seq_lens: np.ndarray) -> np.ndarray:
     """Indices of the first step of each distinct length, in the order they come."""
     _, first = np.unique(seq_lens, return_index=True)
@@ -317,7 +329,7 @@ def _steps(run: build.Run, compiler: Optional[precompile.Compiler], start_step: 
             if int(lens[i]) not in seen:
                 seen.add(int(lens[i]))
                 sample = batches.batch_at(epoch, pos + int(i))
-                per_bucket.submit(state_abs, run.teacher_params, _feed(run, sample))
+                per_bucket.submit(state_abs, run.teacher_params, _sample_feed(run, sample))
         left, pos = left - len(lens), pos + len(lens)
     if not run.evaluates:
         return train_step, None

