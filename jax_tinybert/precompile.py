@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Set
 
 import jax
 
@@ -48,11 +48,13 @@ class Compiler:
 
     def close(self) -> str:
         """Drops the programs not started (one being compiled finishes in its thread);
-        -> e.g. "train step 2101 of 2101 calls, eval step 14 of 14": the calls that ran a
-        program compiled ahead."""
+        -> what ran compiled ahead, e.g. "update step 1 of 1 programs (120 of 120 calls),
+        gradient step 5 of 6 programs (112 of 120 calls)": of the distinct programs each step
+        ran, those the worker compiled, and the calls they ran; the others were compiled by the
+        call that first needed them (the worker had not started them yet)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        return ", ".join(f"{a.name} {a.hits} of {a.hits + a.misses} calls"
-                         for a in self._wrapped)
+        return ", ".join(f"{a.name} {len(a.ahead)} of {len(a.ahead | a.in_step)} programs "
+                         f"({a.hits} of {a.hits + a.misses} calls)" for a in self._wrapped)
 
 
 class Ahead:
@@ -62,6 +64,8 @@ class Ahead:
         self.jitted, self.name, self._pool = jitted, name, pool
         self._programs: Dict[tuple, cf.Future] = {}
         self.hits = self.misses = 0   # calls run by an executable compiled ahead / by jitted
+        self.ahead: Set[tuple] = set()     # signatures run by a program compiled ahead
+        self.in_step: Set[tuple] = set()   # and those the jitted function compiled
 
     def submit(self, *args) -> None:
         """Queues the compilation of the program for `args` (one per distinct signature)."""
@@ -70,7 +74,8 @@ class Ahead:
             self._programs[key] = self._pool.submit(lambda: self.jitted.lower(*args).compile())
 
     def __call__(self, *args):
-        fut = self._programs.get(signature(args[-1]))
+        key = signature(args[-1])
+        fut = self._programs.get(key)
         compiled = None
         if fut is not None and not fut.cancel():   # running or done: wait for it
             try:
@@ -80,6 +85,8 @@ class Ahead:
                             e)
         if compiled is None:
             self.misses += 1
+            self.in_step.add(key)
             return self.jitted(*args)
         self.hits += 1
+        self.ahead.add(key)
         return compiled(*args)

@@ -1,7 +1,8 @@
 """train_and_evaluate(config, workdir): one stage of distillation or fine-tuning.
 
-config -> build.build_run (data, models, objective, optimizer, jitted steps) -> restore -> loop
-(train step, log, eval, checkpoint) -> finish (best params, export, summary.json).
+config -> build.build_run (data, models, objective, optimizer, jitted steps) -> restore ->
+programs queued for compiling ahead -> teacher cache (built while they compile) -> loop (train
+step, log, eval, checkpoint) -> finish (best params, export, summary.json).
 The same function runs teacher fine-tuning, general distillation, both task-distillation
 phases, PKD and KD: what differs is only the config (objective, teacher, student init, data).
 A preemption (SIGTERM, or a stop request) saves and raises `Preempted`; the CLI turns it into
@@ -115,7 +116,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     finally:
         preemption.uninstall()
         if compiler is not None:
-            logger.info("programs compiled ahead ran: %s", compiler.close())
+            logger.info("compiled ahead: %s; the others compiled in the step that first "
+                        "needed them", compiler.close())
 
     # ----------------------------------------------------------------- finish
     final_params, export_step = _best_params(ckpt, run, state, best, step)

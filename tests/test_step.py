@@ -116,6 +116,82 @@ def test_split_update_is_the_fused_step(grad_accum):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
 
 
+def _adamw_numpy(params, grads_seq, *, lr, total, warmup, b1, b2, eps, wd, clip):
+    """AdamW as the paper and PyTorch write it, in float64 NumPy, over a sequence of gradient
+    dicts {path: array}: the [PAD] (row 0) word-embedding gradient zeroed (PyTorch's
+    padding_idx), global-norm clipping, bias-corrected moments, decoupled weight decay off for
+    biases and LayerNorm, lr warm-up then linear decay (BertAdam's warmup_linear) indexed by
+    the number of updates already applied. -> params after the last update."""
+    import numpy as np
+
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v2 = {k: np.zeros_like(v) for k, v in p.items()}
+    for t, grads in enumerate(grads_seq, start=1):
+        g = {k: np.array(x, np.float64) for k, x in grads.items()}
+        for k in g:
+            if k.endswith("word_embeddings/embedding"):
+                g[k][0] = 0.0
+        norm = np.sqrt(sum(float((x ** 2).sum()) for x in g.values()))
+        if norm > clip:
+            g = {k: x * clip / norm for k, x in g.items()}
+        progress = (t - 1) / total
+        rate = lr * (progress / warmup if progress < warmup
+                     else max((progress - 1) / (warmup - 1), 0.0))
+        for k in p:
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
+            step = (m[k] / (1 - b1 ** t)) / (np.sqrt(v2[k] / (1 - b2 ** t)) + eps)
+            leaf = k.split("/")[-1]
+            if not (leaf in ("bias", "scale") or "LayerNorm" in k):
+                step = step + wd * p[k]
+            p[k] = p[k] - rate * step
+    return p
+
+
+def test_update_program_is_adamw_written_in_numpy():
+    """The update program that split runs train with, against AdamW written from its formula in
+    NumPy (float64): warm-up and decay, global-norm clipping (active on some steps, not others),
+    weight decay where the official code applies it, the [PAD] row's gradient dropped."""
+    import jax
+    import numpy as np
+
+    from jax_tinybert import build, optim, plan
+
+    built, sparams, _ = _built(True)
+    state = built.init_state(sparams, seed=3)
+    flat = lambda tree: {jax.tree_util.keystr(kp, simple=True, separator="/"): np.asarray(x)
+                         for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    params0 = flat(jax.device_get(state.params))
+    rng = np.random.default_rng(0)
+    total, scales = 20, (0.5, 3.0, 0.01, 0.2)   # global norms above and below clip_norm 1.0
+    grads_seq, norms = [], []
+    treedef = jax.tree_util.tree_structure(state.params)
+    for sc in scales:
+        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params0.items()}
+        n = np.sqrt(sum(float((x.astype(np.float64) ** 2).sum()) for x in g.values()))
+        g = {k: x * np.float32(sc / n) for k, x in g.items()}
+        grads_seq.append(g)
+        norms.append(sc)
+    for i, g in enumerate(grads_seq):
+        tree = jax.tree_util.tree_unflatten(treedef, [g[k] for k in params0])
+        state, m = built.train_step.update(state, tree)
+        np.testing.assert_allclose(float(m["grad_norm"]), norms[i], rtol=1e-5)
+    opt = dict(build.optimizer_config(plan.plan_config(objective="tinybert_intermediate")))
+    opt = {**optim.defaults("adamw"), **opt, "learning_rate": 1e-3}   # _built's lr
+    assert opt["clip_norm"] == 1.0 and opt["schedule"] == "warmup_linear"
+    want = _adamw_numpy(params0, grads_seq, lr=opt["learning_rate"], total=total,
+                        warmup=opt["warmup_ratio"], b1=opt["b1"], b2=opt["b2"], eps=opt["eps"],
+                        wd=opt["weight_decay"], clip=opt["clip_norm"])
+    got = flat(jax.device_get(state.params))
+    assert int(jax.device_get(state.step)) == len(scales)
+    moved = 0
+    for k, w in want.items():
+        np.testing.assert_allclose(got[k], w, rtol=2e-5, atol=2e-8, err_msg=k)
+        moved += not np.allclose(w, params0[k])
+    assert moved == len(want)   # every tensor was updated (the first step's lr is 0: warm-up)
+
+
 def test_split_step_lowers_and_compiles_as_one_step():
     """plan.py and the benchmarks read a step's `.lower(...).compile()`: the split pair runs as
     the step, with both programs' FLOPs and a peak comparable to the fused program's."""
