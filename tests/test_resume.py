@@ -163,6 +163,24 @@ def test_metrics_writer_resume_drops_replayed_steps_and_rebuilds_tensorboard(tmp
     assert all(json.loads(l) for l in (killed / "metrics.jsonl").read_text().splitlines())
 
 
+def test_metrics_writer_writes_tensorboard_without_importing_torch(tmp_path):
+    """tensorboardX imports torch when it can (most of its import time); the writer keeps it
+    out, and torch still imports afterwards for whoever needs it."""
+    code = ("import sys\n"
+            "from jax_tinybert.metrics_writer import MetricsWriter\n"
+            f"w = MetricsWriter({str(tmp_path)!r})\n"
+            "w.write(3, {'loss': 0.25}, prefix='train')\n"
+            "w.close()\n"
+            "print('torch' in sys.modules)\n"
+            "import torch\n"
+            "print(float(torch.ones(3).sum()))\n")
+    out = subprocess.run([T.PYTHON, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=T.env(), cwd=str(T.REPO))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "3.0"], out.stdout
+    assert T.read_tb(tmp_path / "tb") == (1, [(3, "train/loss", 0.25)])
+
+
 @pytest.mark.timeout(600)
 def test_sigterm_through_the_cli_stops_within_a_step_and_exits_143(setup, tmp_path):
     """Each step is slow on the device (~0.3 s of extra matmuls) and metrics are logged at
