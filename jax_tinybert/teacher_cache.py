@@ -311,7 +311,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         filled = np.zeros((num_examples,), bool)
         tokens = _TokenWriter(tmp, token_fields, token_dtype, num_examples)
 
-        def store(feats, ids, keep, T):
+        def write(feats, ids, keep, T):
             feats = tokens.write(jax.device_get(feats), ids[keep], keep, T)
             for k, v in feats.items():
                 v = np.asarray(v, np.float32)
@@ -338,10 +338,10 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                                  f"num_examples {num_examples}")
             feats = forward(params, *(np.asarray(batch[k]) for k in MODEL_KEYS))
             if pending is not None:
-                store(*pending)
+                write(*pending)
             pending = (feats, ids, keep, np.asarray(batch["input_ids"]).shape[1])
         if pending is not None:
-            store(*pending)
+            write(*pending)
             pending = None
         prog.close()
         if not files and not tokens.written:
@@ -564,10 +564,14 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
                           token_fields=token_fields, token_dtype=token_dtype or "float32")
     if store is not None and cache.build_stats is not None:
         store.publish(cache, share_fp, fields=["teacher_logits"] if token_fields else None)
-    if token_fields:
-        # The intermediate loss reads the per-token fields only: its batches get nothing else.
-        cache.fields = {k: v for k, v in cache.fields.items() if k != "teacher_logits"}
+    cache.fields = _step_fields(cache.fields, token_dtype)
     return cache
+
+
+def _step_fields(fields: Dict[str, Any], token_dtype: Optional[str]) -> Dict[str, Any]:
+    """Of a training cache's fields, those its batches get: a per-token (intermediate) cache
+    keeps its logits for the store only, since the intermediate loss reads the per-token fields."""
+    return {k: v for k, v in fields.items() if not (token_dtype and k == "teacher_logits")}
 
 
 def _training_forward(models, obj, token_dtype: Optional[str]) -> Callable:
@@ -594,9 +598,7 @@ def lookup_spec(models, obj, batch: Mapping[str, Any],
     out = jax.eval_shape(forward, models.teacher_params,
                          *(jax.ShapeDtypeStruct(np.shape(batch[k]), np.asarray(batch[k]).dtype)
                            for k in MODEL_KEYS))
-    if token_dtype:
-        out.pop("teacher_logits", None)   # the intermediate loss reads the per-token fields only
-    return out
+    return _step_fields(out, token_dtype)
 
 
 def _row_batches(ds, rows: Optional[np.ndarray], buckets, batch_size: int):
