@@ -165,6 +165,8 @@ class BertOutput:
     hidden_states: tuple of N+1 arrays [B, T, D]; index 0 is the embedding output (after LayerNorm).
     attention_logits: tuple of N entries, [B, H, T, T] raw scores Q K^T / sqrt(d_head) before the
       additive mask, softmax and dropout, or None for layers not asked for.
+    With `cls_only=True` the last layer computes its [CLS] row only: hidden_states[-1] is
+    [B, 1, D] (pooled and logits are the same as without).
     pooled: [B, D] tanh(dense(h_last[:, 0])), or None without a pooler.
     logits: [B, C] for classification models (C = 1: regression), else None.
     """
@@ -259,8 +261,9 @@ class BertSelfAttention(_BertModule):
     """Multi-head self-attention (query/key/value); also returns the pre-softmax logits."""
 
     @nn.compact
-    def __call__(self, h, mask_bias, deterministic: bool = True):
-        """h [B, T, D], mask_bias [B, 1, 1, T] additive -> (context [B, T, D], logits [B, H, T, T])."""
+    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False):
+        """h [B, T, D], mask_bias [B, 1, 1, T] additive -> (context [B, Q, D], logits
+        [B, H, Q, T]); Q = T, or 1 with `cls_only` (queries from the [CLS] row only)."""
         c = self.config
         B, T, D = h.shape
         # One [B*T, D] x [D, 3*D] product instead of three [D, D] ones: the same sums (each
@@ -275,9 +278,15 @@ class BertSelfAttention(_BertModule):
         # As one 2-D product (see _FlatDense): [B*T, D] x [D, 3*D]. Keeping the kernel's
         # middle axis ([B*T, D] x [D, 3, D]) was 1-6% slower on CPU; under a "model" mesh
         # axis the reshape costs a reshard of this layer's [D, 3*D] kernel per step.
-        qkv = matmul_rows(h, kernel.reshape(D, 3 * D)).reshape(B, T, 3, D) + bias
-        split = lambda x: x.reshape(B, T, c.num_attention_heads, c.head_dim)
-        q, k, v = (split(qkv[:, :, i]) for i in range(3))
+        split = lambda x: x.reshape(B, -1, c.num_attention_heads, c.head_dim)
+        if cls_only:
+            # Keys and values still come from every row; the query only from [CLS].
+            kv = matmul_rows(h, kernel[:, 1:].reshape(D, 2 * D)).reshape(B, T, 2, D) + bias[1:]
+            q = split(matmul_rows(h[:, :1], kernel[:, 0]) + bias[0])
+            k, v = split(kv[:, :, 0]), split(kv[:, :, 1])
+        else:
+            qkv = matmul_rows(h, kernel.reshape(D, 3 * D)).reshape(B, T, 3, D) + bias
+            q, k, v = (split(qkv[:, :, i]) for i in range(3))
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
@@ -286,7 +295,7 @@ class BertSelfAttention(_BertModule):
         if not deterministic and c.attention_probs_dropout_prob > 0:
             probs = Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
-        return ctx.reshape(B, T, c.hidden_size), logits
+        return ctx.reshape(B, q.shape[1], c.hidden_size), logits
 
 
 class _ResidualOutput(_BertModule):
@@ -312,11 +321,11 @@ class BertAttention(_BertModule):
     """Self-attention + its output block -> (h [B, T, D], attention logits [B, H, T, T])."""
 
     @nn.compact
-    def __call__(self, h, mask_bias, deterministic: bool = True):
+    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False):
         ctx, logits = BertSelfAttention(self.config, self.dtype, self.param_dtype, name="self")(
-            h, mask_bias, deterministic)
+            h, mask_bias, deterministic, cls_only)
         out = BertSelfOutput(self.config, self.dtype, self.param_dtype, name="output")(
-            ctx, h, deterministic)
+            ctx, h[:, :1] if cls_only else h, deterministic)
         return out, logits
 
 
@@ -324,11 +333,12 @@ class BertLayer(_BertModule):
     """One transformer layer: attention, then the feed-forward block."""
 
     @nn.compact
-    def __call__(self, h, mask_bias, deterministic: bool = True):
-        """h [B, T, D] -> (h' [B, T, D], attention logits [B, H, T, T])."""
+    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False):
+        """h [B, T, D] -> (h' [B, Q, D], attention logits [B, H, Q, T]); Q = T, or 1 with
+        `cls_only`: the [CLS] row's output, which needs every row's keys and values only."""
         c = self.config
         a, logits = BertAttention(c, self.dtype, self.param_dtype, name="attention")(
-            h, mask_bias, deterministic)
+            h, mask_bias, deterministic, cls_only)
         # Names as HF: intermediate/dense, then output/dense + output/LayerNorm.
         inter = _Intermediate(c, self.dtype, self.param_dtype, name="intermediate")(a)
         out = BertFFNOutput(c, self.dtype, self.param_dtype, name="output")(
@@ -369,12 +379,13 @@ class BertLayerCollection(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True,
-                 attention_layers: frozenset = frozenset()):
-        cls = nn.remat(BertLayer, static_argnums=(3,)) if self.remat else BertLayer
+                 attention_layers: frozenset = frozenset(), cls_only: bool = False):
+        cls = nn.remat(BertLayer, static_argnums=(3, 4)) if self.remat else BertLayer
         hidden, logits = [h], []
-        for i in range(self.config.num_hidden_layers):
+        n = self.config.num_hidden_layers
+        for i in range(n):
             h, lg = cls(self.config, self.dtype, self.param_dtype, name=str(i))(
-                h, mask_bias, deterministic)
+                h, mask_bias, deterministic, cls_only and i == n - 1)
             hidden.append(h)
             # Unrequested logits are dropped here; under jit XLA never materialises them.
             logits.append(lg if (i + 1) in attention_layers else None)
@@ -387,9 +398,11 @@ class BertEncoder(_BertModule):
     remat: bool = False
 
     @nn.compact
-    def __call__(self, h, mask_bias, deterministic=True, attention_layers=frozenset()):
+    def __call__(self, h, mask_bias, deterministic=True, attention_layers=frozenset(),
+                 cls_only=False):
         return BertLayerCollection(self.config, self.dtype, self.param_dtype, self.remat,
-                                   name="layer")(h, mask_bias, deterministic, attention_layers)
+                                   name="layer")(h, mask_bias, deterministic, attention_layers,
+                                                 cls_only)
 
 
 class BertPooler(_BertModule):
@@ -414,6 +427,9 @@ class BertModel(_BertModule):
     Call: (input_ids [B, T] int, attention_mask [B, T] {0,1}, token_type_ids [B, T]) -> BertOutput.
     `attention_logits`: True (all layers), False/None, or an iterable of 1-based layer indices.
     `remat` recomputes each layer in the backward pass (less memory, ~1/3 more compute).
+    `cls_only`: the last layer computes its [CLS] row only (its output is [B, 1, D]), for a
+    caller that reads the pooled output, logits or [CLS] vectors and nothing else per token:
+    the same values for those, for ~5/6 less of the last layer's work.
     """
 
     add_pooling_layer: bool = True
@@ -421,7 +437,8 @@ class BertModel(_BertModule):
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                 deterministic: bool = True, attention_logits: LayerSelection = True):
+                 deterministic: bool = True, attention_logits: LayerSelection = True,
+                 cls_only: bool = False):
         attention_mask, token_type_ids = _default_inputs(input_ids, attention_mask, token_type_ids)
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
@@ -430,9 +447,14 @@ class BertModel(_BertModule):
         # Same additive mask value as HF Flax (finfo.min); logits are returned before it.
         mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0,
                               jnp.finfo(jnp.float32).min).astype(jnp.float32)
-        sel = _selected_layers(attention_logits, self.config.num_hidden_layers)
+        n = self.config.num_hidden_layers
+        sel = _selected_layers(attention_logits, n)
+        if cls_only and n in sel:
+            raise ValueError(f"cls_only=True computes layer {n}'s [CLS] row only, so it has no "
+                             f"[T, T] attention logits: ask for layers 1..{n - 1} only "
+                             "(attention_logits=False or a list), or drop cls_only")
         hidden, logits = BertEncoder(self.config, self.dtype, self.param_dtype, self.remat,
-                                     name="encoder")(h, mask_bias, deterministic, sel)
+                                     name="encoder")(h, mask_bias, deterministic, sel, cls_only)
         pooled = None
         if self.add_pooling_layer:
             pooled = BertPooler(self.config, self.dtype, self.param_dtype, name="pooler")(hidden[-1])
@@ -451,10 +473,11 @@ class BertForSequenceClassification(_BertModule):
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                 deterministic: bool = True, attention_logits: LayerSelection = True):
+                 deterministic: bool = True, attention_logits: LayerSelection = True,
+                 cls_only: bool = False):
         out = BertModel(self.config, self.dtype, self.param_dtype, True, self.remat, name="bert")(
             input_ids, attention_mask, token_type_ids, position_ids, deterministic,
-            attention_logits)
+            attention_logits, cls_only)
         x = out.pooled
         if self.head_relu:
             x = jax.nn.relu(x)

@@ -108,7 +108,9 @@ class Objective:
     Class attributes (declared by each registered subclass): name, defaults (every cfg key),
     needs_teacher (the loss reads the teacher's outputs), teacher_cacheable (those outputs are
     per-example logits / [CLS] vectors, computable once: see teacher_cache), compares_logits
-    (student and teacher heads must predict the same labels).
+    (student and teacher heads must predict the same labels), reads_tokens (the loss reads
+    per-token outputs; False: only logits and [CLS] vectors, so the models' last layer need
+    compute only its [CLS] row, `cls_only`).
     Instance attributes: cfg (resolved, defaults filled in), mode, layer_map (or None),
     student_attention_layers / teacher_attention_layers (1-based layers whose attention logits
     the models must return), teacher_cls_layers (teacher layers whose [CLS] vectors PKD reads,
@@ -123,6 +125,7 @@ class Objective:
     # cached only for runs of more than two epochs (config.teacher.cache_tokens).
     teacher_token_cacheable: bool = False
     compares_logits: ClassVar[bool] = False
+    reads_tokens: ClassVar[bool] = True
 
     def __init__(self, cfg: Any, student_config, teacher_config=None):
         self.cfg = _resolve_cfg(self.name, self.defaults, cfg)
@@ -367,6 +370,7 @@ class TinyBertPred(Objective):
     defaults = dict(_COMMON)
     teacher_cacheable = True
     compares_logits = True
+    reads_tokens = False
 
     def setup(self) -> None:
         if self.is_regression and self.cfg["regression_target"] == "gold":
@@ -394,6 +398,7 @@ class _HardAndSoft(Objective):
     """(1 - alpha) hard-label loss + alpha soft loss to the teacher's logits (KD, PKD)."""
     teacher_cacheable = True
     compares_logits = True
+    reads_tokens = False   # PKD's patience loss reads [CLS] vectors only
 
     def _hard_and_soft(self, s_out, t_out, batch):
         c, valid = self.cfg, batch.get("valid")
@@ -463,6 +468,7 @@ class Finetune(Objective):
     name = "finetune"
     defaults = dict(_COMMON)
     needs_teacher = False
+    reads_tokens = False
 
     def loss(self, proj, s_out, t_out, batch):
         valid = batch.get("valid")

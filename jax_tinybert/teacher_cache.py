@@ -250,7 +250,7 @@ def _fingerprint_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list:
 
 def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Sequence[int] = (),
                  attention_layers: Sequence[int] = (), token_fields: Sequence[str] = (),
-                 token_dtype: str = "float32"):
+                 token_dtype: str = "float32", cls_only: Optional[bool] = None):
     """Jitted (params, input_ids, attention_mask, token_type_ids) -> {field: [b, ...]}.
 
     feature_fn(BertOutput) -> dict, e.g. `objective.teacher_features`; default: `teacher_logits`
@@ -259,6 +259,8 @@ def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Seque
     logits the model returns (for a feature_fn that reads them). Deterministic (no dropout).
     Fields are float32, those in `token_fields` `token_dtype`: cast inside the program, so
     a float16 per-token cache copies half the bytes to the host and converts nothing there.
+    cls_only: the last layer computes its [CLS] row only (for a feature_fn that reads logits
+    and [CLS] vectors, nothing per token); None: for the default feature_fn only.
     """
     attn = tuple(int(i) for i in attention_layers) or False
     layers = tuple(int(i) for i in cls_layers)
@@ -273,11 +275,13 @@ def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Seque
         return d
 
     fn = feature_fn or default
+    cls_only = feature_fn is None if cls_only is None else bool(cls_only)
 
     @jax.jit
     def forward(params, input_ids, attention_mask, token_type_ids):
         out = model.apply({"params": params}, input_ids, attention_mask, token_type_ids,
-                          deterministic=True, attention_logits=attn)
+                          deterministic=True, attention_logits=attn,
+                          **({"cls_only": True} if cls_only else {}))
         return {k: v.astype(dtypes.get(k, jnp.float32)) for k, v in fn(out).items()
                 if v is not None}
 
@@ -585,7 +589,8 @@ def _training_forward(models, obj, token_dtype: Optional[str]) -> Callable:
             return dict(obj.teacher_features(out), teacher_logits=out.logits)
     return make_forward(models.teacher, features,
                         attention_layers=obj.teacher_attention_layers if token_fields else (),
-                        token_fields=token_fields, token_dtype=token_dtype or "float32")
+                        token_fields=token_fields, token_dtype=token_dtype or "float32",
+                        cls_only=not token_fields and not getattr(obj, "reads_tokens", True))
 
 
 def lookup_spec(models, obj, batch: Mapping[str, Any],

@@ -295,3 +295,70 @@ def test_init_classifier_matches_the_full_init_distribution():
     k = np.asarray(a["kernel"])
     assert abs(k.std() - cfg.initializer_range) < 0.1 * cfg.initializer_range, k.std()
     assert abs(k.mean()) < 0.1 * cfg.initializer_range
+
+
+def test_cls_only_matches_pytorch_outputs_and_gradients(teacher, batch, teacher_dir):
+    """cls_only (the last layer computes its [CLS] row only) against the full PyTorch model:
+    the same pooled output, logits and [CLS] vector, and the same gradients of a logits loss,
+    the last layer's query kernel (which only the [CLS] row reaches) included."""
+    import torch
+    from transformers import BertForSequenceClassification as TorchCls
+
+    torch.manual_seed(0)
+    tm = TorchCls.from_pretrained(teacher_dir, num_labels=3, attn_implementation="eager").eval()
+    config, bert_params = teacher
+    params = {"bert": bert_params,
+              "classifier": {"kernel": tm.classifier.weight.detach().numpy().T,
+                             "bias": tm.classifier.bias.detach().numpy()}}
+    labels = np.array([0, 2, 1, 2])
+    tb = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+    ref = tm(**tb, output_hidden_states=True)
+    torch.nn.functional.cross_entropy(ref.logits, torch.tensor(labels), reduction="sum").backward()
+
+    model = jtb.BertForSequenceClassification(config.replace(num_labels=3))
+
+    def loss(p):
+        out = model.apply({"params": p}, **batch, attention_logits=False, cls_only=True)
+        logp = jax.nn.log_softmax(out.logits)
+        return -jnp.sum(logp[jnp.arange(4), labels]), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    L = config.num_hidden_layers
+    assert out.hidden_states[-1].shape == (4, 1, config.hidden_size)
+    np.testing.assert_allclose(np.asarray(out.hidden_states[-1][:, 0]),
+                               ref.hidden_states[-1][:, 0].detach().numpy(), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out.hidden_states[L - 1]),
+                               ref.hidden_states[L - 1].detach().numpy(), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out.logits), ref.logits.detach().numpy(), atol=1e-4)
+
+    last = tm.bert.encoder.layer[L - 1]
+    g_last = grads["bert"]["encoder"]["layer"][str(L - 1)]
+    pairs = {
+        "last query": (g_last["attention"]["self"]["query"]["kernel"],
+                       last.attention.self.query.weight.grad.T),
+        "last key": (g_last["attention"]["self"]["key"]["kernel"],
+                     last.attention.self.key.weight.grad.T),
+        "last value bias": (g_last["attention"]["self"]["value"]["bias"],
+                            last.attention.self.value.bias.grad),
+        "last FFN in": (g_last["intermediate"]["dense"]["kernel"],
+                        last.intermediate.dense.weight.grad.T),
+        "first query": (grads["bert"]["encoder"]["layer"]["0"]["attention"]["self"]["query"]
+                        ["kernel"], tm.bert.encoder.layer[0].attention.self.query.weight.grad.T),
+        "word embeddings": (grads["bert"]["embeddings"]["word_embeddings"]["embedding"],
+                            tm.bert.embeddings.word_embeddings.weight.grad),
+        "classifier": (grads["classifier"]["kernel"], tm.classifier.weight.grad.T),
+    }
+    for name, (ours, theirs) in pairs.items():
+        theirs = theirs.numpy()
+        assert np.abs(theirs).max() > 0, name
+        np.testing.assert_allclose(np.asarray(ours), theirs, rtol=0,
+                                   atol=2e-4 * np.abs(theirs).max(), err_msg=name)
+
+
+def test_cls_only_refuses_the_last_layers_attention_logits(teacher, batch):
+    config, params = teacher
+    with pytest.raises(ValueError, match="cls_only=True computes layer 6's \\[CLS\\] row only"):
+        jtb.BertModel(config).apply({"params": params}, **batch, cls_only=True)
+    out = jtb.BertModel(config).apply({"params": params}, **batch, cls_only=True,
+                                      attention_logits=[5])
+    assert out.attention_logits[4].shape[-2:] == (batch["input_ids"].shape[1],) * 2

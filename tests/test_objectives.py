@@ -298,3 +298,56 @@ def test_pkd_beta_zero_needs_no_cls(outs):
     assert obj.teacher_cls_layers == ()
     loss, terms = obj({}, so, None, dict(batch, teacher_logits=np.asarray(to.logits)))
     assert "pt" not in terms and np.isfinite(float(loss))
+
+
+# --------------------------------------------------------------------------- cls_only
+
+def _cls_rows_only(out):
+    """`out` as a cls_only forward returns it: the last layer's [CLS] row, no [T, T] logits."""
+    return out.replace(hidden_states=out.hidden_states[:-1] + (out.hidden_states[-1][:, :1],),
+                       attention_logits=out.attention_logits[:-1] + (None,))
+
+
+@pytest.mark.parametrize("name", O.OBJECTIVES)
+def test_objectives_that_read_no_tokens_see_the_same_loss_from_the_cls_rows(outs, name):
+    """An objective declaring reads_tokens=False gets the same loss when the models' last layer
+    computed its [CLS] row only (what the train step then runs); one that reads per-token
+    outputs (the intermediate loss) must declare it."""
+    batch, so, to = outs
+    obj = O.make_objective(name, {"projection": "shared"} if name == "pkd" else {}, S_CFG, T_CFG)
+    proj = obj.init_projection(jax.random.PRNGKey(0))
+    full, _ = obj(proj, so, to, batch)
+    try:
+        rows, _ = obj(proj, _cls_rows_only(so), _cls_rows_only(to), batch)
+    except (ValueError, TypeError, IndexError):
+        rows = None
+    if obj.reads_tokens:
+        assert rows is None or not np.isclose(float(rows), float(full)), name
+    else:
+        assert rows is not None and float(rows) == pytest.approx(float(full), rel=1e-6), name
+
+
+@pytest.mark.parametrize("name,expect", [("tinybert_pred", True), ("tinybert_intermediate", False)])
+def test_train_step_runs_the_cls_rows_only_when_the_objective_reads_no_tokens(name, expect):
+    from jax_tinybert import step as step_lib
+    from jax_tinybert.modeling import BertForSequenceClassification
+
+    seen = []
+
+    class Spy(BertForSequenceClassification):
+        def __call__(self, *a, cls_only=False, **kw):
+            seen.append(cls_only)
+            return super().__call__(*a, cls_only=cls_only, **kw)
+
+    s_cfg, t_cfg = cfg(2, 8).replace(vocab_size=40), cfg(2, 8).replace(vocab_size=40)
+    student, teacher = Spy(s_cfg), Spy(t_cfg)
+    obj = O.make_objective(name, {}, s_cfg, t_cfg)
+    batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
+    init = lambda m, seed: m.init(jax.random.PRNGKey(seed), batch["input_ids"],
+                                  attention_logits=False)["params"]
+    loss_fn = step_lib.make_loss_fn(student, teacher, obj, student_dropout=False)
+    params = {"student": init(student, 0), "proj": obj.init_projection(jax.random.PRNGKey(2))}
+    teacher_params = init(teacher, 1)
+    seen.clear()
+    loss, _ = jax.jit(loss_fn)(params, teacher_params, batch, jax.random.PRNGKey(3))
+    assert np.isfinite(float(loss)) and seen == [expect, expect]

@@ -40,11 +40,16 @@ def oracle(shared_dir, teacher_dir):
                                + head[f"{who}_bias"])
     so = so.replace(logits=logits(so, "student"))
     to = to.replace(logits=logits(to, "teacher"))
+    # What the prediction stage runs: the last layer's [CLS] row only.
+    cls_only = {who: logits(jax.jit(lambda p, i, m, t, cfg=cfg: BertModel(cfg).apply(
+        {"params": p}, i, m, t, attention_logits=False, cls_only=True))(
+        params, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]), who)
+        for who, cfg, params in (("student", s_cfg, s_params), ("teacher", t_cfg, t_params))}
     fd = np.load(d / "oracle_student" / "fit_dense.npz")
     proj = {"fit_dense": {"kernel": jnp.asarray(fd["weight"].T), "bias": jnp.asarray(fd["bias"])}}
     ref = json.loads((d / "oracle_losses.json").read_text())
     return dict(s_cfg=s_cfg.replace(num_labels=2), t_cfg=t_cfg.replace(num_labels=2), so=so, to=to,
-                batch=batch, proj=proj, ref=ref)
+                batch=batch, proj=proj, ref=ref, cls_only=cls_only)
 
 
 def rel(a, b):
@@ -55,6 +60,9 @@ def test_model_outputs_match_official_logits(oracle):
     ref = oracle["ref"]["float32"]
     np.testing.assert_allclose(np.asarray(oracle["so"].logits), ref["student_logits"], atol=1e-4)
     np.testing.assert_allclose(np.asarray(oracle["to"].logits), ref["teacher_logits"], atol=1e-4)
+    for who in ("student", "teacher"):
+        np.testing.assert_allclose(np.asarray(oracle["cls_only"][who]), ref[f"{who}_logits"],
+                                   atol=1e-4, err_msg=f"{who}, cls_only")
 
 
 def test_intermediate_losses_match_official(oracle):
