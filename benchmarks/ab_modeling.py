@@ -14,12 +14,18 @@ hits both alike; it prints the median of each and the median of the paired ratio
 Stages are those of benchmarks/step_throughput.py (MiniLM-L6 teacher, 4L-312 student, batch 32,
 student dropout on, teacher live) plus `cached_intermediate`: the intermediate step reading the
 teacher's attention and hidden states from the batch (what a run with the per-token teacher cache
-trains). Only `modeling.py` and `dropout.py` differ between the two sides; every other module
+trains), and `cached_pred`: the prediction step reading the teacher's logits from the batch (what
+the prediction stage trains with its teacher cache). Only `modeling.py` and `dropout.py` differ between the two sides; every other module
 is the working tree's, so the baseline files must import against it.
+
+`--baseline full-last-layer` compares the working tree with itself, the A side built with every
+objective's `reads_tokens` set to True: the models then compute every row of their last layer,
+as before `cls_only` (what the prediction, KD, PKD and fine-tuning steps skip now).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -52,7 +58,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import step_throughput as st  # noqa: E402
-from jax_tinybert import build, modeling, plan  # noqa: E402
+from jax_tinybert import build, modeling, objectives, plan  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
 from cpu_info import cpu_name  # noqa: E402
 
@@ -83,6 +89,25 @@ def load_baseline(rev: str):
     return _load_source("modeling_baseline", src.replace(line, "from dropout_baseline import"))
 
 
+FULL_LAST_LAYER = "full-last-layer"
+
+
+@contextlib.contextmanager
+def every_objective_reads_tokens():
+    """Steps built inside run the models without `cls_only` (the full last layer)."""
+    saved = {c: c.__dict__.get("reads_tokens") for c in objectives.REGISTRY.values()}
+    try:
+        for c in saved:
+            c.reads_tokens = True
+        yield
+    finally:
+        for c, v in saved.items():
+            if v is None:
+                del c.reads_tokens
+            else:
+                c.reads_tokens = v
+
+
 # Short names -> step_throughput's stage names (which are accepted as they are, too).
 STAGE_NAMES = {"intermediate": "tinybert_intermediate", "pred": "tinybert_pred"}
 
@@ -92,19 +117,24 @@ def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
     `models`."""
     build.BertForSequenceClassification, build.BertModel = models
     hb = st.make_batch(scfg, batch_size, T)
-    if stage == "cached_intermediate":
-        obj_cfg = st.objective_cfg("tinybert_intermediate", scfg, tcfg)
-        config = plan.plan_config(objective="tinybert_intermediate", objective_cfg=obj_cfg,
-                                  optim_cfg=st.OPT_CFG)
+    if stage in ("cached_intermediate", "cached_pred"):
+        name = "tinybert_" + stage[len("cached_"):]
+        obj_cfg = st.objective_cfg(name, scfg, tcfg)
+        config = plan.plan_config(objective=name, objective_cfg=obj_cfg, optim_cfg=st.OPT_CFG)
         obj = build.build_objective(config, scfg, tcfg)
         mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
         r = np.random.RandomState(0)
-        hb["teacher_attn"] = r.standard_normal(
-            (batch_size, len(obj.teacher_attention_layers), tcfg.num_attention_heads, T, T)
-        ).astype(np.float32)
-        hb["teacher_hidden"] = 0.5 * r.standard_normal(
-            (batch_size, len(obj.teacher_hidden_layers), T, tcfg.hidden_size)).astype(np.float32)
-        hb.pop("labels")
+        if stage == "cached_pred":
+            hb["teacher_logits"] = r.standard_normal(
+                (batch_size, scfg.num_labels)).astype(np.float32)
+        else:
+            hb["teacher_attn"] = r.standard_normal(
+                (batch_size, len(obj.teacher_attention_layers), tcfg.num_attention_heads, T, T)
+            ).astype(np.float32)
+            hb["teacher_hidden"] = 0.5 * r.standard_normal(
+                (batch_size, len(obj.teacher_hidden_layers), T, tcfg.hidden_size)
+            ).astype(np.float32)
+            hb.pop("labels")
         built = build.build_step(config, student=build.student_module(config, scfg), teacher=None,
                                  objective=obj, student_params=sparams, teacher_params=None,
                                  mesh=mesh, total_steps=100)
@@ -124,7 +154,9 @@ def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--baseline", default="HEAD~1", help="git revision of the A side's modeling.py and dropout.py")
+    p.add_argument("--baseline", default="HEAD~1",
+                   help=f"git revision of the A side's modeling.py and dropout.py, or "
+                        f"'{FULL_LAST_LAYER}' (the tree without cls_only)")
     p.add_argument("--stages", default="cached_intermediate,intermediate,pred,finetune")
     p.add_argument("--lengths", default="64,128")
     p.add_argument("--rounds", type=int, default=8)
@@ -133,9 +165,12 @@ def main(argv=None):
                    help="tiny random models (seconds): a check of the wiring, not a measurement")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
-    base = load_baseline(args.baseline)
-    sides = {"baseline": (base.BertForSequenceClassification, base.BertModel),
-             "tree": (modeling.BertForSequenceClassification, modeling.BertModel)}
+    tree = (modeling.BertForSequenceClassification, modeling.BertModel)
+    if args.baseline == FULL_LAST_LAYER:
+        sides = {"baseline": tree, "tree": tree}
+    else:
+        base = load_baseline(args.baseline)
+        sides = {"baseline": (base.BertForSequenceClassification, base.BertModel), "tree": tree}
     tcfg, tparams = st.load_teacher("minilm", smoke=args.smoke)
     scfg = st.student_config("tinybert4", tcfg, smoke=args.smoke)
     sparams = st._random_params(scfg, 2)
@@ -143,8 +178,12 @@ def main(argv=None):
     rows = []
     for stage in args.stages.split(","):
         for T in (int(x) for x in args.lengths.split(",")):
-            runs = {k: make_step(stage, T, m, tcfg, tparams, scfg, sparams, args.batch_size)
-                    for k, m in sides.items()}
+            runs = {}
+            for k, m in sides.items():
+                full = k == "baseline" and args.baseline == FULL_LAST_LAYER
+                with every_objective_reads_tokens() if full else contextlib.nullcontext():
+                    runs[k] = make_step(stage, T, m, tcfg, tparams, scfg, sparams,
+                                        args.batch_size)
             for i in range(args.rounds):
                 for k in (("baseline", "tree") if i % 2 == 0 else ("tree", "baseline")):
                     compiled, state, tp, batch, ts, _ = runs[k]

@@ -273,20 +273,23 @@ class BertSelfAttention(_BertModule):
         # "model"-axis sharding of their output dim (sharding.py) a sharding of the stack.
         kernels, biases = zip(*(_DenseParams(c, self.dtype, self.param_dtype, features=c.hidden_size,
                                              name=n)(D) for n in ("query", "key", "value")))
-        h, kernel, bias = nn.dtypes.promote_dtype(h, jnp.stack(kernels, axis=1),
-                                                  jnp.stack(biases), dtype=self.dtype)
-        # As one 2-D product (see _FlatDense): [B*T, D] x [D, 3*D]. Keeping the kernel's
-        # middle axis ([B*T, D] x [D, 3, D]) was 1-6% slower on CPU; under a "model" mesh
-        # axis the reshape costs a reshard of this layer's [D, 3*D] kernel per step.
         split = lambda x: x.reshape(B, -1, c.num_attention_heads, c.head_dim)
+        # cls_only: keys and values still come from every row, the query from [CLS] only; the
+        # stack holds the key and value kernels alone (slicing a 3-way stack compiled slower).
+        first = 1 if cls_only else 0
+        h, kernel, bias = nn.dtypes.promote_dtype(h, jnp.stack(kernels[first:], axis=1),
+                                                  jnp.stack(biases[first:]), dtype=self.dtype)
+        n = 3 - first
+        # As one 2-D product (see _FlatDense): [B*T, D] x [D, n*D]. Keeping the kernel's
+        # middle axis ([B*T, D] x [D, n, D]) was 1-6% slower on CPU; under a "model" mesh
+        # axis the reshape costs a reshard of this layer's [D, n*D] kernel per step.
+        proj = matmul_rows(h, kernel.reshape(D, n * D)).reshape(B, T, n, D) + bias
+        k, v = split(proj[:, :, n - 2]), split(proj[:, :, n - 1])
         if cls_only:
-            # Keys and values still come from every row; the query only from [CLS].
-            kv = matmul_rows(h, kernel[:, 1:].reshape(D, 2 * D)).reshape(B, T, 2, D) + bias[1:]
-            q = split(matmul_rows(h[:, :1], kernel[:, 0]) + bias[0])
-            k, v = split(kv[:, :, 0]), split(kv[:, :, 1])
+            wq, bq = nn.dtypes.promote_dtype(kernels[0], biases[0], dtype=self.dtype)
+            q = split(matmul_rows(h[:, :1], wq) + bq)
         else:
-            qkv = matmul_rows(h, kernel.reshape(D, 3 * D)).reshape(B, T, 3, D) + bias
-            q, k, v = (split(qkv[:, :, i]) for i in range(3))
+            q = split(proj[:, :, 0])
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)

@@ -183,23 +183,37 @@ def test_hlo_flops_falls_back_to_cpu_analysis():
     assert st.hlo_flops(low) == st.hlo_flops(NoCost()) == 2 * 64 * 32 * 16
 
 
-def test_ab_modeling_smoke(tmp_path):
+@pytest.mark.parametrize("baseline", ["HEAD", "full-last-layer"])
+def test_ab_modeling_smoke(tmp_path, baseline):
     """Both sides build and time the same step; baseline = HEAD's modeling.py and dropout.py via
-    git show."""
+    git show, or the tree's without cls_only."""
     out = tmp_path / "ab.json"
     proc = subprocess.run([sys.executable, str(BENCH / "ab_modeling.py"), "--smoke",
-                           "--baseline", "HEAD", "--stages", "cached_intermediate,pred",
+                           "--baseline", baseline, "--stages", "cached_intermediate,cached_pred",
                            "--lengths", "8", "--rounds", "2", "--batch-size", "4",
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [(r["stage"], r["T"]) for r in res["rows"]] == [("cached_intermediate", 8),
-                                                            ("pred", 8)]
+                                                            ("cached_pred", 8)]
     for r in res["rows"]:
         assert len(r["baseline_times"]) == len(r["tree_times"]) == 2
         assert r["baseline_s"] > 0 and r["tree_s"] > 0
         assert r["baseline_compile_s"] > 0 and r["tree_compile_s"] > 0
+
+
+def test_ab_modeling_full_last_layer_side_restores_the_objectives():
+    """The full-last-layer side's objectives read tokens while its step is built, and only then."""
+    import ab_modeling
+    from jax_tinybert import objectives as O
+
+    before = {n: c.reads_tokens for n, c in O.REGISTRY.items()}
+    assert not before["tinybert_pred"] and before["tinybert_intermediate"]
+    with ab_modeling.every_objective_reads_tokens():
+        assert all(c.reads_tokens for c in O.REGISTRY.values())
+    assert {n: c.reads_tokens for n, c in O.REGISTRY.items()} == before
+    assert "reads_tokens" not in O.REGISTRY["pkd"].__dict__   # inherited again, not pinned
 
 
 def test_xla_cpu_settings_smoke(tmp_path, monkeypatch, capsys):
