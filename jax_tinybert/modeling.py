@@ -274,8 +274,8 @@ class BertSelfAttention(_BertModule):
         kernels, biases = zip(*(_DenseParams(c, self.dtype, self.param_dtype, features=c.hidden_size,
                                              name=n)(D) for n in ("query", "key", "value")))
         split = lambda x: x.reshape(B, -1, c.num_attention_heads, c.head_dim)
-        # cls_only: keys and values still come from every row, the query from [CLS] only; the
-        # stack holds the key and value kernels alone (slicing a 3-way stack compiled slower).
+        # cls_only: keys and values still come from every row, the query from [CLS] only, so
+        # the stack holds the key and value kernels alone and nothing is sliced out of it.
         first = 1 if cls_only else 0
         h, kernel, bias = nn.dtypes.promote_dtype(h, jnp.stack(kernels[first:], axis=1),
                                                   jnp.stack(biases[first:]), dtype=self.dtype)
