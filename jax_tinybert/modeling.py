@@ -275,21 +275,21 @@ class BertSelfAttention(_BertModule):
                                              name=n)(D) for n in ("query", "key", "value")))
         split = lambda x: x.reshape(B, -1, c.num_attention_heads, c.head_dim)
         # cls_only: keys and values still come from every row, the query from [CLS] only, so
-        # the stack holds the key and value kernels alone and nothing is sliced out of it.
-        first = 1 if cls_only else 0
-        h, kernel, bias = nn.dtypes.promote_dtype(h, jnp.stack(kernels[first:], axis=1),
-                                                  jnp.stack(biases[first:]), dtype=self.dtype)
-        n = 3 - first
+        # the stacked product is of the key and value kernels alone.
+        every_row = slice(1 if cls_only else 0, 3)
+        h, kernel, bias = nn.dtypes.promote_dtype(h, jnp.stack(kernels[every_row], axis=1),
+                                                  jnp.stack(biases[every_row]), dtype=self.dtype)
+        n = kernel.shape[1]
         # As one 2-D product (see _FlatDense): [B*T, D] x [D, n*D]. Keeping the kernel's
         # middle axis ([B*T, D] x [D, n, D]) was 1-6% slower on CPU; under a "model" mesh
         # axis the reshape costs a reshard of this layer's [D, n*D] kernel per step.
         proj = matmul_rows(h, kernel.reshape(D, n * D)).reshape(B, T, n, D) + bias
-        k, v = split(proj[:, :, n - 2]), split(proj[:, :, n - 1])
+        heads = [split(proj[:, :, i]) for i in range(n)]
         if cls_only:
             wq, bq = nn.dtypes.promote_dtype(kernels[0], biases[0], dtype=self.dtype)
-            q = split(matmul_rows(h[:, :1], wq) + bq)
+            q, (k, v) = split(matmul_rows(h[:, :1], wq) + bq), heads
         else:
-            q = split(proj[:, :, 0])
+            q, k, v = heads
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)

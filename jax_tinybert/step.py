@@ -30,12 +30,10 @@ CACHED_KEYS = ("teacher_logits", "teacher_cls") + CACHED_TOKEN_KEYS
 
 def _apply(model: nn.Module, params, batch, *, deterministic: bool, attention_logits, rng,
            cls_only: bool = False):
-    # cls_only only when asked: models without it (the MLM model) keep their signature.
     return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
                        batch["token_type_ids"], deterministic=deterministic,
                        attention_logits=attention_logits,
-                       rngs=None if deterministic else {"dropout": rng},
-                       **({"cls_only": True} if cls_only else {}))
+                       rngs=None if deterministic else {"dropout": rng}, cls_only=cls_only)
 
 
 def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
@@ -44,7 +42,7 @@ def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
     use_teacher = teacher is not None and objective.needs_teacher
     # A loss that reads logits and [CLS] vectors only needs the last layers' [CLS] rows: the
     # same loss and gradients for ~5/6 less of that layer's work (dropout draws differ).
-    cls_only = not getattr(objective, "reads_tokens", True)
+    cls_only = not objective.reads_tokens
 
     def loss_fn(params, teacher_params, batch, rng):
         r_s, r_t = jax.random.split(rng)

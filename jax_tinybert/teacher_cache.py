@@ -280,8 +280,7 @@ def make_forward(model, feature_fn: Optional[Callable] = None, cls_layers: Seque
     @jax.jit
     def forward(params, input_ids, attention_mask, token_type_ids):
         out = model.apply({"params": params}, input_ids, attention_mask, token_type_ids,
-                          deterministic=True, attention_logits=attn,
-                          **({"cls_only": True} if cls_only else {}))
+                          deterministic=True, attention_logits=attn, cls_only=cls_only)
         return {k: v.astype(dtypes.get(k, jnp.float32)) for k, v in fn(out).items()
                 if v is not None}
 
@@ -590,7 +589,7 @@ def _training_forward(models, obj, token_dtype: Optional[str]) -> Callable:
     return make_forward(models.teacher, features,
                         attention_layers=obj.teacher_attention_layers if token_fields else (),
                         token_fields=token_fields, token_dtype=token_dtype or "float32",
-                        cls_only=not token_fields and not getattr(obj, "reads_tokens", True))
+                        cls_only=not token_fields and not obj.reads_tokens)
 
 
 def lookup_spec(models, obj, batch: Mapping[str, Any],

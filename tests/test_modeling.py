@@ -154,17 +154,21 @@ def test_bf16_compute_close_to_fp32(teacher, batch):
     assert b16.hidden_states[-1].dtype == jnp.bfloat16
 
 
-def test_remat_same_gradients(batch):
+@pytest.mark.parametrize("cls_only", [False, True])
+def test_remat_same_gradients(batch, cls_only):
     cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                          num_attention_heads=4, vocab_size=30522)
     m0 = jtb.BertForSequenceClassification(cfg)
     m1 = jtb.BertForSequenceClassification(cfg, remat=True)
     params = jtb.init_params(m0, jax.random.PRNGKey(1))
+    # cls_only is a static argument of the rematerialised layer, like deterministic.
+    extra = {"cls_only": True, "attention_logits": [1]} if cls_only else {}
 
     def loss(model, p):
         out = model.apply({"params": p}, **batch, deterministic=False,
-                          rngs={"dropout": jax.random.PRNGKey(3)})
-        return jnp.sum(out.logits ** 2) + sum(jnp.mean(a ** 2) for a in out.attention_logits)
+                          rngs={"dropout": jax.random.PRNGKey(3)}, **extra)
+        return jnp.sum(out.logits ** 2) + sum(jnp.mean(a ** 2) for a in out.attention_logits
+                                              if a is not None)
 
     g0 = jax.jit(jax.grad(lambda p: loss(m0, p)))(params)
     g1 = jax.jit(jax.grad(lambda p: loss(m1, p)))(params)
