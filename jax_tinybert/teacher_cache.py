@@ -492,8 +492,8 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
 
     Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
     (`train_batches.rows_read`; all of them when the steps cover an epoch, or when num_steps is
-    None): a run of fewer steps than an epoch of a large (e.g. augmented) train set forwards
-    only the rows it will use. One pass in dataset order, no dropped remainder. Each process
+    None; with a store, all of them once num_steps is an epoch or more): a run of fewer steps
+    than an epoch of a large (e.g. augmented) train set forwards only the rows it will use. One pass in dataset order, no dropped remainder. Each process
     builds its own copy (under `cache/teacher_p<i>` when there are several): no collective is
     involved, and the workdir need not be shared. token_dtype (float16 | float32): cache the
     objective's per-token features (intermediate stage: attention logits, hidden states), each
@@ -526,6 +526,12 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
                            hidden_layers=list(obj.teacher_hidden_layers),
                            attention_layers=list(attn_layers))
     rows = _rows_read(data.train_batches, ds, num_steps)
+    if rows is not None and store is not None and num_steps >= data.train_batches.steps_per_epoch:
+        # A run of an epoch or more leaves only each bucket's incomplete batch unread (at most
+        # buckets x batch rows): forwarded too, so that the entry it publishes serves a later
+        # stage whose buckets or seed leave other rows without a teacher pass of its own, whose
+        # forward programs would compile for a handful of rows (~7 s of an MRPC prediction epoch).
+        rows = None
     if rows is not None:
         # Which rows is part of what the cache holds: another step count or seed rebuilds it.
         fingerprint["rows"] = arrays_fingerprint(rows)

@@ -96,10 +96,15 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
     # Every update and every dev batch ran a program compiled ahead. The gradient programs are
     # queued after the update's, so the first call may compile its bucket's itself meanwhile,
     # and so may a later call that comes before the worker has started its bucket's program.
-    m = re.search(r"compiled ahead: update step 1 of 1 programs \((\d+) of 10 calls\), "
-                  r"gradient step (\d) of (\d) programs \((\d+) of 10 calls\), "
-                  r"eval step (\d) of \5 programs \((\d+) of \6 calls\)", caplog.text)
-    assert m and m[1] == "10" and int(m[2]) >= 1 and int(m[4]) >= 1 and m[5] != "0", caplog.text
+    # Each with the seconds the worker spent on each program it compiled.
+    m = re.search(r"compiled ahead: update step 1 of 1 programs \((\d+) of 10 calls; "
+                  r"(\d+\.\d) s\), "
+                  r"gradient step (\d) of (\d) programs \((\d+) of 10 calls; ([\d. ]+) s\), "
+                  r"eval step (\d) of \7 programs \((\d+) of \8 calls; ([\d. ]+) s\)",
+                  caplog.text)
+    assert m and m[1] == "10" and int(m[3]) >= 1 and int(m[5]) >= 1 and m[7] != "0", caplog.text
+    assert float(m[2]) > 0
+    assert len(m[6].split()) >= int(m[3]) and len(m[9].split()) == int(m[7])
 
 
 def _tiny_classifier_teacher(out_dir) -> str:

@@ -105,21 +105,44 @@ def test_intermediate_build_publishes_the_logits_the_pred_stage_reads(tmp_path, 
                                _live_logits(small, small.params, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_a_run_of_an_epoch_publishes_every_row(tmp_path, small, monkeypatch):
+    """An epoch leaves each bucket's incomplete batch unread, other rows for other buckets: the
+    run publishes those rows too, so a run with other buckets finds all it reads, no forward."""
+    store = ts.Store(str(tmp_path / "store"))
+    obj, models = _pred_run(small)
+    a = _data(small, buckets=(16, 32, 64))
+    read = a.train_batches.rows_read(a.train_batches.steps_per_epoch)
+    assert len(read) < len(small.ds)     # the premise: one epoch leaves rows unread
+    first = tc.build_for_training(models, obj, a, str(tmp_path / "a"),
+                                  num_steps=a.train_batches.steps_per_epoch, store=store)
+    assert np.asarray(first.filled).all()
+    b = _data(small, buckets=(24, 64))
+    need = b.train_batches.rows_read(b.train_batches.steps_per_epoch)
+    _no_forward(monkeypatch)
+    second = tc.build_for_training(models, obj, b, str(tmp_path / "b"),
+                                   num_steps=b.train_batches.steps_per_epoch, store=store)
+    assert second.build_stats is None and np.asarray(second.filled)[need].all()
+    np.testing.assert_allclose(second.lookup(need)["teacher_logits"],
+                               _live_logits(small, small.params, need), rtol=1e-5, atol=1e-5)
+
+
 def test_an_entry_of_other_buckets_is_completed_not_rebuilt(tmp_path, small, monkeypatch):
-    """A run with other buckets reads a few rows the entry lacks (each bucket drops its own
-    incomplete batch): only those are forwarded; the rest come from the store."""
+    """A run with other buckets reads a few rows the entry lacks (both runs read less than an
+    epoch, so neither forwards the rows it does not read): only those are forwarded; the rest
+    come from the store."""
     store = ts.Store(str(tmp_path / "store"))
     obj, models = _pred_run(small)
     a = _data(small, buckets=(16, 32, 64))
     first = tc.build_for_training(models, obj, a, str(tmp_path / "a"),
-                                  num_steps=a.train_batches.steps_per_epoch, store=store)
+                                  num_steps=a.train_batches.steps_per_epoch - 1, store=store)
     b = _data(small, buckets=(24, 64))
-    need = b.train_batches.rows_read(b.train_batches.steps_per_epoch)
+    steps_b = b.train_batches.steps_per_epoch - 1
+    need = b.train_batches.rows_read(steps_b)
     lacking = need[~np.asarray(first.filled)[need]]
     assert 0 < len(lacking) <= len(need) // 4, (len(lacking), len(need))
     _no_forward(monkeypatch)    # no full build: tc.build would fail
-    second = tc.build_for_training(models, obj, b, str(tmp_path / "b"),
-                                   num_steps=b.train_batches.steps_per_epoch, store=store)
+    second = tc.build_for_training(models, obj, b, str(tmp_path / "b"), num_steps=steps_b,
+                                   store=store)
     assert second.build_stats is None and np.asarray(second.filled)[need].all()
     np.testing.assert_allclose(second.lookup(need)["teacher_logits"],
                                _live_logits(small, small.params, need), rtol=1e-5, atol=1e-5)
