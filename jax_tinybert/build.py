@@ -39,7 +39,7 @@ from jax_tinybert.config_check import ConfigValueError, owned_by_a_run
 from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
 from jax_tinybert.hf import bert_params, load_pretrained
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
-                                   init_classifier, init_params)
+                                   init_classifier, random_params)
 from jax_tinybert.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
                           intermediate_size=sc.intermediate_size,
                           max_position_embeddings=tcfg.max_position_embeddings,
                           type_vocab_size=tcfg.type_vocab_size, num_labels=num_labels)
-        sparams = init_params(BertForSequenceClassification(scfg), rng)
+        sparams = random_params(BertForSequenceClassification(scfg), config.train.seed)
     if id2label:
         scfg = scfg.replace(id2label=dict(id2label), num_labels=num_labels)
     if teacher_config is not None and scfg.vocab_size != teacher_config.vocab_size:

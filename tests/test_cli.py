@@ -212,6 +212,35 @@ def test_cli_environment_defaults_reach_jax(tmp_path):
     assert r.stdout.split() == ["None", "cpu", "3"], r.stderr
 
 
+def test_the_cli_restarts_once_with_the_malloc_settings_unless_the_user_has_some():
+    """On glibc the command restarts itself (same PID) with main.MALLOC_ENV when started without
+    any malloc setting; a user's own MALLOC_* or JTB_MALLOC=off keeps the process as started."""
+    from jax_tinybert.main import MALLOC_ENV
+
+    code = ("import os, jax_tinybert.main as m; e = os.environ.get; print(os.getpid(), "
+            "e('MALLOC_ARENA_MAX'), e('MALLOC_MMAP_THRESHOLD_'), e('JTB_MALLOC_REEXEC'), "
+            "flush=True); m._malloc_reexec()")
+
+    def lines(**extra):
+        env = dict(_env_without(*MALLOC_ENV, "GLIBC_TUNABLES", "JTB_MALLOC",
+                                "JTB_MALLOC_REEXEC"), **extra)
+        r = subprocess.run([tiny_run.PYTHON, "-c", code], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return [ln.split() for ln in r.stdout.splitlines()]
+
+    first, again = lines()
+    assert first[0] == again[0] and first[1:] == ["None", "None", "None"]
+    assert again[1:] == [MALLOC_ENV["MALLOC_ARENA_MAX"], MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"], "1"]
+    assert [ln[1:] for ln in lines(JTB_MALLOC="off")] == [["None", "None", "None"]]
+    assert [ln[1:] for ln in lines(MALLOC_ARENA_MAX="4")] == [["4", "None", "None"]]
+    # The entry point restarts before its work: --help prints once, exit 0.
+    env = _env_without(*MALLOC_ENV, "GLIBC_TUNABLES", "JTB_MALLOC", "JTB_MALLOC_REEXEC")
+    r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.main", "--help"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.count("usage: ") == 1, (r.stdout, r.stderr)
+
+
 def test_a_cli_run_fills_the_default_compile_cache(cli, tmp_path):
     d, _ = cli
     env = _env_without("JAX_COMPILATION_CACHE_DIR", "JTB_COMPILE_CACHE",

@@ -301,6 +301,38 @@ def test_init_classifier_matches_the_full_init_distribution():
     assert abs(k.mean()) < 0.1 * cfg.initializer_range
 
 
+@pytest.mark.parametrize("head", ["BertForSequenceClassification", "BertForMaskedLM"])
+def test_random_params_draw_what_init_params_draws(head):
+    """random_params (NumPy, no forward) against flax's init through the model: the same tree,
+    shapes and dtypes; where init_params gives zeros or ones, the same; elsewhere N(0, 0.02).
+    Seeded: the same seed gives the same values, another seed others."""
+    cfg = jtb.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=128, num_labels=3)
+    model = getattr(jtb.modeling, head)(cfg)
+    ref = jtb.init_params(model, jax.random.PRNGKey(0))
+    got = jtb.modeling.random_params(model, 5)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+    normal = 0
+    for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref),
+                            jax.tree_util.tree_leaves(got)):
+        r, g = np.asarray(r), np.asarray(g)
+        assert g.shape == r.shape and g.dtype == r.dtype, path
+        if np.all(r == 0) or np.all(r == 1):
+            np.testing.assert_array_equal(g, r, err_msg=str(path))
+        else:
+            normal += 1
+            # Five standard errors of each estimate (seeded: the draws are fixed).
+            sd, n = cfg.initializer_range, g.size
+            assert abs(r.std() - sd) < 5 * sd / np.sqrt(2 * n), (path, r.std())   # the reference
+            assert abs(g.std() - sd) < 5 * sd / np.sqrt(2 * n), (path, g.std())
+            assert abs(g.mean()) < 5 * sd / np.sqrt(n), (path, g.mean())
+    assert normal >= 10
+    again, other = jtb.modeling.random_params(model, 5), jtb.modeling.random_params(model, 6)
+    for a, b, c in zip(*(jax.tree_util.tree_leaves(t) for t in (got, again, other))):
+        np.testing.assert_array_equal(a, b)
+        assert a.size < 4 or np.all(a == 0) or np.all(a == 1) or not np.array_equal(a, c)
+
+
 def test_cls_only_matches_pytorch_outputs_and_gradients(teacher, batch, teacher_dir):
     """cls_only (the last layer computes its [CLS] row only) against the full PyTorch model:
     the same pooled output, logits and [CLS] vector, and the same gradients of a logits loss,
