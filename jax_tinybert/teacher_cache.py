@@ -493,9 +493,10 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
     (`train_batches.rows_read`; all of them when the steps cover an epoch, or when num_steps is
     None; with a store, all of them once num_steps is an epoch or more): a run of fewer steps
-    than an epoch of a large (e.g. augmented) train set forwards only the rows it will use. One pass in dataset order, no dropped remainder. Each process
-    builds its own copy (under `cache/teacher_p<i>` when there are several): no collective is
-    involved, and the workdir need not be shared. token_dtype (float16 | float32): cache the
+    than an epoch of a large (e.g. augmented) train set forwards only the rows it will use. One
+    pass in dataset order, no dropped remainder. Each process builds its own copy (under
+    `cache/teacher_p<i>` when there are several): no collective is involved, and the workdir
+    need not be shared. token_dtype (float16 | float32): cache the
     objective's per-token features (intermediate stage: attention logits, hidden states), each
     row at its bucket length, in that dtype. store: a `teacher_store.Store` (or None): an
     entry there that covers the rows is copied in instead of running the teacher, and what
