@@ -506,7 +506,9 @@ def token_cache_plan(config, objective: objectives.Objective, data: Data, total:
     if mode == "auto" and total <= AUTO_CACHE_EPOCHS * spe:
         return False, (f"{total} steps are at most {AUTO_CACHE_EPOCHS} epochs of {spe} steps: "
                        "building the cache would not pay back")
-    rows = data.train_batches.rows_read(total)
+    rows = teacher_cache.rows_to_cache(data.train_batches, data.train_dataset, total)
+    if rows is None:
+        rows = np.arange(len(data.train_dataset))
     lens = batching.assign_buckets(data.train_dataset.lengths[rows], data.train_batches.buckets)
     T = np.asarray(data.train_batches.buckets, np.int64)[lens]
     need = teacher_cache.token_cache_bytes(objective, T, config.teacher.cache_dtype)

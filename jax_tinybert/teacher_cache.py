@@ -491,9 +491,8 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     """The cache for a training run (called by `train.train_and_evaluate`).
 
     Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
-    (`train_batches.rows_read`; all of them when the steps cover an epoch, or when num_steps is
-    None; with a store, all of them once num_steps is an epoch or more): a run of fewer steps
-    than an epoch of a large (e.g. augmented) train set forwards only the rows it will use. One
+    (`rows_to_cache`: all of them once num_steps is an epoch or more, or None): a run of fewer
+    steps than an epoch of a large (e.g. augmented) train set forwards only the rows it will use. One
     pass in dataset order, no dropped remainder. Each process builds its own copy (under
     `cache/teacher_p<i>` when there are several): no collective is involved, and the workdir
     need not be shared. token_dtype (float16 | float32): cache the
@@ -526,13 +525,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         fingerprint.update(buckets=list(buckets), token_dtype=str(token_dtype),
                            hidden_layers=list(obj.teacher_hidden_layers),
                            attention_layers=list(attn_layers))
-    rows = _rows_read(data.train_batches, ds, num_steps)
-    if rows is not None and store is not None and num_steps >= data.train_batches.steps_per_epoch:
-        # A run of an epoch or more leaves only each bucket's incomplete batch unread (at most
-        # buckets x batch rows): forwarded too, so that the entry it publishes serves a later
-        # stage whose buckets or seed leave other rows without a teacher pass of its own, whose
-        # forward programs would compile for a handful of rows (~7 s of an MRPC prediction epoch).
-        rows = None
+    rows = rows_to_cache(data.train_batches, ds, num_steps)
     if rows is not None:
         # Which rows is part of what the cache holds: another step count or seed rebuilds it.
         fingerprint["rows"] = arrays_fingerprint(rows)
@@ -652,10 +645,18 @@ def _is_current(path: str, fingerprint: Mapping[str, Any], num_examples: int) ->
     return old == _normalise(dict(fingerprint, num_examples=int(num_examples)))
 
 
-def _rows_read(batcher, ds, num_steps: Optional[int]) -> Optional[np.ndarray]:
-    """The rows `num_steps` steps of `batcher` read, or None for all of `ds`."""
+def rows_to_cache(batcher, ds, num_steps: Optional[int]) -> Optional[np.ndarray]:
+    """The rows of `ds` a training run's teacher cache holds: int64 [R] sorted, the rows that
+    `num_steps` steps of `batcher` read, or None for all of them.
+
+    All of them from an epoch on: an epoch leaves only each bucket's incomplete batch unread (at
+    most buckets x batch rows), and forwarding those too makes the entry published to the
+    teacher store serve a later stage whose buckets or seed leave other rows, which would
+    otherwise compile teacher forward programs for a handful of rows (~7 s of an MRPC
+    prediction epoch)."""
     if (num_steps is None or not hasattr(batcher, "rows_read")
-            or not isinstance(ds, tokenize.EncodedDataset)):
+            or not isinstance(ds, tokenize.EncodedDataset)
+            or num_steps >= batcher.steps_per_epoch):
         return None
     rows = batcher.rows_read(num_steps)
     return None if len(rows) == len(ds) else rows

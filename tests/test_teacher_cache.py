@@ -291,6 +291,14 @@ def test_rows_read_is_what_the_training_batches_hold(small, process_count):
                 seen |= set(b["example_id"][b["valid"] > 0].tolist())
         got = batcher(0).rows_read(num_steps)
         assert got.tolist() == sorted(seen), num_steps
+        # A run's cache holds what its batches read, and every row from an epoch on (what the
+        # per-token cache's size check counts too).
+        cached = tc.rows_to_cache(batcher(0), small.ds, num_steps)
+        if num_steps < spe:
+            assert cached.tolist() == sorted(seen), num_steps
+        else:
+            assert cached is None, num_steps
+            assert num_steps > spe or len(seen) < len(small.ds)   # an epoch leaves rows unread
     assert len(batcher(0).rows_read(1)) == 8
     # Dropped remainders differ per epoch: enough epochs read every row.
     assert len(batcher(0).rows_read(40 * spe)) == len(small.ds)
