@@ -274,7 +274,10 @@ class BertSelfAttention(_BertModule):
         # "model"-axis sharding of their output dim (sharding.py) a sharding of the stack.
         kernels, biases = zip(*(_DenseParams(c, self.dtype, self.param_dtype, features=c.hidden_size,
                                              name=n)(D) for n in ("query", "key", "value")))
-        split = lambda x: x.reshape(B, -1, c.num_attention_heads, c.head_dim)
+        # Heads before tokens ([B, H, T, d]): the batched attention products then run 1.5-2x
+        # faster on CPU (the forward's; the backward's are as fast either way), at the price of
+        # transposed copies of q, k, v and the context ([B, T, D] each).
+        split = lambda x: x.reshape(B, -1, c.num_attention_heads, c.head_dim).transpose(0, 2, 1, 3)
         # cls_only: keys and values still come from every row, the query from [CLS] only, so
         # the stacked product is of the key and value kernels alone.
         every_row = slice(1 if cls_only else 0, 3)
@@ -293,13 +296,13 @@ class BertSelfAttention(_BertModule):
             q, k, v = heads
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k)
         # Softmax in float32 even under bf16 compute: the -1e9 style mask and exp need the range.
         probs = jax.nn.softmax(logits.astype(jnp.float32) + mask_bias, axis=-1)
         if not deterministic and c.attention_probs_dropout_prob > 0:
             probs = Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
-        return ctx.reshape(B, q.shape[1], c.hidden_size), logits
+        ctx = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
+        return ctx.transpose(0, 2, 1, 3).reshape(B, q.shape[2], c.hidden_size), logits
 
 
 class _ResidualOutput(_BertModule):
