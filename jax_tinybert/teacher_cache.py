@@ -52,10 +52,10 @@ META = "meta.json"
 FILLED = "filled.npy"
 TOKEN_INDEX = "token_index.npy"
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
-# Teacher forwards run at once by a cache build. XLA's CPU backend runs each attention product
-# (a batched dot) on one core; a second forward in another thread fills the idle core
-# (MiniLM-L6, batch 64, 2-core Xeon: 1.05-1.11x rows/s at T 16-128). Accelerators run the
-# forwards in turn, as before.
+# How many teacher forwards a cache build runs at once on CPU. XLA's CPU backend runs each
+# attention product (a batched dot) on one core; a second forward in another thread fills the
+# idle core (MiniLM-L6, batch 64, 2-core Xeon: 1.05-1.11x rows/s at T 16-128). Accelerators
+# run the forwards in turn, as before.
 FORWARDS_IN_FLIGHT = 2
 
 
