@@ -57,6 +57,11 @@ MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 # idle core (MiniLM-L6, batch 64, 2-core Xeon: 1.05-1.11x rows/s at T 16-128). Accelerators
 # run the forwards in turn, as before.
 FORWARDS_IN_FLIGHT = 2
+# Tokens per teacher forward of a cache build on CPU (rows x length). At long lengths XLA's CPU
+# forward runs more rows/s on fewer rows (MiniLM-L6, 2-core Xeon, two forwards in flight, rows/s
+# at 8 / 16 / 64 rows: T 128 96 / 93 / 66, T 64 210 / 205 / 168; at T 16, 64 rows are best),
+# so a build splits each batch into chunks of about this many tokens.
+FORWARD_TOKENS = 1024
 
 
 class CacheError(ValueError):
@@ -610,9 +615,23 @@ def lookup_spec(models, obj, batch: Mapping[str, Any],
     return _step_fields(out, token_dtype)
 
 
+def rows_per_forward(seq_len: int, batch_size: int) -> int:
+    """Rows of a [batch_size, seq_len] batch that one cache-build forward takes on CPU: the
+    batch halved while it holds more than FORWARD_TOKENS tokens, down to 8 rows (a divisor of
+    batch_size, so every chunk of a bucket has one shape: one compiled program). The whole
+    batch on accelerators."""
+    b = int(batch_size)
+    if jax.default_backend() != "cpu":
+        return b
+    while b % 2 == 0 and b // 2 >= 8 and b * int(seq_len) > FORWARD_TOKENS:
+        b //= 2
+    return b
+
+
 def _row_batches(ds, rows: Optional[np.ndarray], buckets, batch_size: int):
     """Eval-mode bucketed batches over dataset rows `rows` (int [R]; None: all of `ds`), no
-    row dropped; example_id = the row's index in `ds` (-1 for filler rows)."""
+    row dropped, each split into chunks of `rows_per_forward` rows; example_id = the row's
+    index in `ds` (-1 for filler rows)."""
     src = ds if rows is None else tokenize.take(ds, rows)
     it = batching.BucketedBatcher(src, min(batch_size, max(1, len(src))), buckets,
                                   train=False, process_index=0, process_count=1)
@@ -620,7 +639,12 @@ def _row_batches(ds, rows: Optional[np.ndarray], buckets, batch_size: int):
         if rows is not None:  # subset positions -> the train set's example ids
             ids = batch["example_id"]
             batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)
-        yield batch
+        n, T = np.shape(batch["input_ids"])
+        step = rows_per_forward(T, n)
+        for s in range(0, n, step):
+            chunk = {k: v[s:s + step] for k, v in batch.items()}
+            if np.any(chunk["example_id"] >= 0):   # not filler rows only
+                yield chunk
 
 
 def forwarded(forward: Callable, params, items: Iterable[Tuple[Mapping[str, Any], Any]],

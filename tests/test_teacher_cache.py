@@ -231,6 +231,30 @@ def test_forwarded_raises_the_forwards_error_and_stops():
     assert sorted(started)[:2] == [0, 1] and len(started) <= 4
 
 
+def test_rows_per_forward_keeps_about_a_thousand_tokens_in_chunks_that_divide_the_batch():
+    assert [tc.rows_per_forward(T, 64) for T in (8, 16, 24, 32, 40, 64, 104, 128)] == \
+        [64, 64, 32, 32, 16, 16, 8, 8]
+    assert tc.rows_per_forward(128, 48) == 12 and tc.rows_per_forward(128, 37) == 37
+    assert tc.rows_per_forward(512, 64) == 8 and tc.rows_per_forward(16, 4) == 4
+
+
+def test_chunked_build_batches_cover_every_row_once_and_match_whole_batches(tmp_path, small):
+    # 37 rows in a 128-token bucket, 32 per batch: chunks of 8 rows, and the second batch's
+    # chunks of filler rows only are not forwarded.
+    chunks = list(tc._row_batches(small.ds, None, (128,), 32))
+    assert [len(c["example_id"]) for c in chunks] == [8] * 5
+    ids = np.concatenate([c["example_id"] for c in chunks])
+    assert sorted(ids[ids >= 0].tolist()) == list(range(len(small.ds)))
+    whole = tc.build(str(tmp_path / "whole"), small.fp, small.forward, small.params,
+                     _batches(small.ds, bs=32, buckets=(128,)), len(small.ds))
+    chunked = tc.build(str(tmp_path / "chunked"), small.fp, small.forward, small.params,
+                       iter(chunks), len(small.ds))
+    every = np.arange(len(small.ds))
+    for k in ("teacher_logits", "teacher_cls"):
+        np.testing.assert_allclose(chunked.lookup(every)[k], whole.lookup(every)[k],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_build_for_training(tmp_path, small):
     from jax_tinybert import objectives
 
