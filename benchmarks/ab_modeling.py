@@ -35,13 +35,12 @@ import sys
 import tempfile
 import time
 
-# The glibc malloc settings of the Makefile, as step_throughput.py (set before Python starts).
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
-              "MALLOC_TRIM_THRESHOLD_": "17179869184"}
-if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()) \
-        and not os.environ.get("JTB_BENCH_REEXEC"):
-    os.execve(sys.executable, [sys.executable] + sys.argv,
-              dict(os.environ, JTB_BENCH_REEXEC="1", **MALLOC_ENV))
+# The glibc malloc settings of the CLI and the Makefile, as step_throughput.py.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jax_tinybert.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
+
+if __name__ == "__main__":
+    restart_unless_set()
 
 # --smoke checks the wiring: cheaper XLA optimisation (as step_throughput.py --smoke), set
 # before JAX starts its backend.

@@ -21,13 +21,11 @@ from __future__ import annotations
 import os
 import sys
 
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
-              "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jax_tinybert.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
+
 if __name__ == "__main__":
-    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()) \
-            and not os.environ.get("JTB_BENCH_REEXEC"):
-        os.execve(sys.executable, [sys.executable] + sys.argv,
-                  dict(os.environ, JTB_BENCH_REEXEC="1", **MALLOC_ENV))
+    restart_unless_set()
     if "devices" in sys.argv[1:] and \
             "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

@@ -46,10 +46,11 @@ from typing import Dict, List, Optional
 
 from cpu_info import cpuinfo
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jax_tinybert.malloc import MALLOC_ENV  # noqa: E402
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(_HERE)
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
-              "MALLOC_TRIM_THRESHOLD_": "17179869184"}
 ANCHORS = os.path.join(REPO, "..", "shared", "anchors")
 TASK_DIRS = {"sst2": "SST-2", "mrpc": "MRPC"}
 LAYER_MAP_4_OF_6 = "[(0,0),(1,2),(2,3),(3,5),(4,6)]"

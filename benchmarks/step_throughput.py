@@ -41,13 +41,11 @@ from __future__ import annotations
 import os
 import sys
 
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
-              "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jax_tinybert.malloc import MALLOC_ENV, restart_unless_set  # noqa: E402  (no JAX yet)
 
-if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()) \
-        and not os.environ.get("JTB_BENCH_REEXEC"):
-    env = dict(os.environ, JTB_BENCH_REEXEC="1", **MALLOC_ENV)
-    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+if __name__ == "__main__":
+    restart_unless_set()
 
 # --smoke is a CI check of the wiring, not a measurement: cut XLA's compile time (about half)
 # with cheaper backend optimisation. Must happen before JAX starts its backend.

@@ -11,20 +11,20 @@ Compiled steps are cached across runs in ~/.cache/jax_tinybert/xla (JTB_COMPILE_
 teacher outputs in ~/.cache/jax_tinybert/teacher (JTB_TEACHER_STORE=DIR or off; teacher_store.py),
 and tokenised GLUE splits in ~/.cache/jax_tinybert/tokens (JTB_TOKEN_STORE=DIR or off).
 On glibc the command restarts itself once with the malloc settings XLA's CPU steps run fastest
-under (MALLOC_ENV below), unless the environment has its own (JTB_MALLOC=off: never).
+under (jax_tinybert/malloc.py), unless the environment has its own (JTB_MALLOC=off: never).
 """
 import os
 import sys
 
-from jax_tinybert import fs
+from jax_tinybert import fs, malloc
 
 
 def _early_env() -> None:
     # Must happen before JAX is imported: device count and allocator flags are read at start.
     n = os.environ.get("JTB_CPU_DEVICES")
-    # jax_tinybert/__init__.py imports jax (the model classes) before this module runs, and jax
-    # reads its JAX_* variables at import: what is set here must also go to jax.config (XLA_FLAGS
-    # are read later, when the backend starts).
+    # jax reads its JAX_* variables at import, and a caller (a test, a script) may have imported
+    # it before this module: then what is set here must also go to jax.config (XLA_FLAGS are
+    # read later, when the backend starts).
     to_jax = {}
     if n:
         flags = os.environ.get("XLA_FLAGS", "")
@@ -161,32 +161,18 @@ def _wants_verbose(argv) -> bool:
     return verbose
 
 
-# glibc malloc for XLA on a CPU, as the Makefile exports it. Together (neither alone) they make
-# the train steps 12-18% faster on 2 cores (prediction and intermediate, T 64 and 128), for
-# compilations ~40% slower (benchmarks/RESULTS.md, session 18). glibc reads them at start-up only.
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
-              "MALLOC_TRIM_THRESHOLD_": "17179869184"}
 _REEXEC_MARK = "JTB_MALLOC_REEXEC"
 
 
 def _malloc_reexec() -> None:
-    """Restarts this command (same interpreter, options and arguments, same PID) with
-    MALLOC_ENV when it runs on glibc without any of it: none of MALLOC_ENV's variables and no
-    GLIBC_TUNABLES set (a user's own malloc settings are kept), JTB_MALLOC not off, and not
-    restarted already. Before anything starts threads or JAX's backend."""
+    """Restarts this command with malloc.MALLOC_ENV when it runs on glibc without any of it:
+    none of MALLOC_ENV's variables and no GLIBC_TUNABLES set (a user's own malloc settings are
+    kept), JTB_MALLOC not off, and not restarted already."""
     if (os.environ.get(_REEXEC_MARK) or fs.env_off("JTB_MALLOC")
-            or any(k in os.environ for k in MALLOC_ENV) or "GLIBC_TUNABLES" in os.environ
-            or not getattr(sys, "orig_argv", None)):
+            or any(k in os.environ for k in malloc.MALLOC_ENV) or "GLIBC_TUNABLES" in os.environ
+            or not getattr(sys, "orig_argv", None) or not malloc.is_glibc()):
         return
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return
-    except (ValueError, OSError, AttributeError):   # not glibc, or not a POSIX confstr
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable] + list(sys.orig_argv[1:]),
-              dict(os.environ, **MALLOC_ENV, **{_REEXEC_MARK: "1"}))
+    malloc.restart(_REEXEC_MARK)
 
 
 def run(argv=None):

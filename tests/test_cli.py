@@ -8,6 +8,7 @@ with a truncated model.safetensors. Two tiny training runs (2 steps) in all.
 """
 import concurrent.futures
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -213,9 +214,9 @@ def test_cli_environment_defaults_reach_jax(tmp_path):
 
 
 def test_the_cli_restarts_once_with_the_malloc_settings_unless_the_user_has_some():
-    """On glibc the command restarts itself (same PID) with main.MALLOC_ENV when started without
+    """On glibc the command restarts itself (same PID) with malloc.MALLOC_ENV when started without
     any malloc setting; a user's own MALLOC_* or JTB_MALLOC=off keeps the process as started."""
-    from jax_tinybert.main import MALLOC_ENV
+    from jax_tinybert.malloc import MALLOC_ENV
 
     code = ("import os, jax_tinybert.main as m; e = os.environ.get; print(os.getpid(), "
             "e('MALLOC_ARENA_MAX'), e('MALLOC_MMAP_THRESHOLD_'), e('JTB_MALLOC_REEXEC'), "
@@ -239,6 +240,21 @@ def test_the_cli_restarts_once_with_the_malloc_settings_unless_the_user_has_some
     r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.main", "--help"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.count("usage: ") == 1, (r.stdout, r.stderr)
+
+
+def test_the_malloc_settings_load_without_jax_and_match_the_makefile():
+    """Scripts restart with jax_tinybert.malloc before JAX is loaded (glibc and XLA read their
+    settings at start), so importing it (and the package) must not import JAX; make cannot import
+    Python, so the Makefile's exported copy must hold the same values."""
+    from jax_tinybert.malloc import MALLOC_ENV
+
+    r = subprocess.run([tiny_run.PYTHON, "-c", "import sys; from jax_tinybert import malloc, fs; "
+                        "print(sorted(m for m in ('jax', 'flax', 'numpy') if m in sys.modules))"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["[]"], (r.stdout, r.stderr)
+    exported = dict(re.findall(r"^export (MALLOC_\w+) := (\S+)$",
+                               (pathlib.Path(REPO) / "Makefile").read_text(), re.M))
+    assert exported == MALLOC_ENV
 
 
 def test_a_cli_run_fills_the_default_compile_cache(cli, tmp_path):

@@ -11,11 +11,12 @@ import os
 import pathlib
 import sys
 
+from jax_tinybert.malloc import MALLOC_ENV
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() \
     else sys.executable
-MALLOC = dict(MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="17179869184",
-              MALLOC_TRIM_THRESHOLD_="17179869184")
+MALLOC = dict(MALLOC_ENV)
 # With tiny models, compiling is most of a run: a 20-step run here spent ~14 of its ~29 CPU-s
 # compiling its train step. These runs check behaviour (resume, kills, processes, errors), not
 # speed, so they compile with XLA's cheapest backend optimisation, as the benchmarks' --smoke
