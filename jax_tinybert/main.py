@@ -47,6 +47,7 @@ def _early_env() -> None:
 _early_env()
 
 import logging  # noqa: E402
+import signal  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
@@ -55,7 +56,7 @@ from absl import app, flags, logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from jax_tinybert import (build, cli_diagnose, cli_help, config_check, mlm_head,  # noqa: E402
-                          pipeline, sharding, train)
+                          pipeline, preemption, sharding, train)
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -144,9 +145,10 @@ def main(argv):
             pipeline.run_demo(config, FLAGS.workdir)
         else:
             train.train_and_evaluate(config, FLAGS.workdir)
-    except train.Preempted:
-        # 128 + SIGTERM: what schedulers expect of a job that stopped on their signal.
-        sys.exit(143)
+    except train.Preempted as e:
+        # 128 + the signal (143 SIGTERM, 130 Ctrl-C): what schedulers and shells expect of a
+        # job that stopped on their signal.
+        sys.exit(e.exit_code)
 
 
 def _wants_verbose(argv) -> bool:
@@ -194,6 +196,18 @@ def run(argv=None):
         sys.stderr.write(f"error: {one_line(e)}\n")
         sys.stderr.flush()
         sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        # Ctrl-C outside the training loop (set-up, the teacher cache build, compiling,
+        # evaluating, exporting) or a second one inside it; the loop's first one saves its step
+        # and exits 130 through Preempted. Nothing half-written is kept: the caches and
+        # checkpoints are written to temporary files and renamed.
+        if _wants_verbose(argv):
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.write("interrupted (Ctrl-C); rerun the same command to resume from the "
+                         "last checkpoint, or start over where there is none\n")
+        sys.stderr.flush()
+        sys.exit(preemption.exit_code(signal.SIGINT))
 
 
 if __name__ == "__main__":

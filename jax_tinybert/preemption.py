@@ -1,8 +1,12 @@
-"""SIGTERM -> a stop that every process takes at the same step, within a step or two.
+"""SIGTERM or Ctrl-C -> a stop that every process takes at the same step, within a step or two.
 
 A preempted VM gets SIGTERM and a short grace period. The handler only sets a flag (it runs
 between two bytecodes of the main thread, possibly inside jax or orbax: no I/O there); the
 training loop calls `poll` once per step and, when it answers True, saves that step and exits.
+Ctrl-C (SIGINT) in a terminal does the same (exit 130 instead of 143), and a second Ctrl-C stops
+at once (KeyboardInterrupt: the last periodic checkpoint is what a rerun resumes from). SIGINT is
+taken only where Python's own handler is in place: a job started in the background or under
+`nohup` ignores it, and a caller's own handler is kept.
 
     pre = Preemption()                    # after jax.distributed.initialize
     pre.install()                         # SIGTERM -> flag (restored by uninstall / close)
@@ -43,16 +47,24 @@ __all__ = ["Preemption", "Preempted", "EXIT_CODE"]
 EXIT_CODE = 143
 
 
-class Preempted(Exception):
-    """The run saved its state at `step` and stopped (SIGTERM or a stop request); rerunning
-    the same command resumes from there. `python -m jax_tinybert.main` exits with EXIT_CODE."""
+def exit_code(signum: int) -> int:
+    """128 + the signal: 143 for SIGTERM, 130 for Ctrl-C (what a shell reports for either)."""
+    return 128 + int(signum)
 
-    def __init__(self, step: int, workdir: str | None = None):
+
+class Preempted(Exception):
+    """The run saved its state at `step` and stopped (SIGTERM, Ctrl-C or a stop request);
+    rerunning the same command resumes from there. `python -m jax_tinybert.main` exits with
+    `exit_code` (EXIT_CODE after SIGTERM or a stop request, 130 after Ctrl-C)."""
+
+    def __init__(self, step: int, workdir: str | None = None, signum: int = signal.SIGTERM):
         where = f" in {workdir}" if workdir else ""
-        super().__init__(f"preempted: saved step {step}{where}; rerun the same command to "
-                         "resume")
+        what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "preempted"
+        super().__init__(f"{what}: saved step {step}{where}; rerun the same command to resume")
         self.step = int(step)
         self.workdir = workdir
+        self.signum = int(signum)
+        self.exit_code = exit_code(signum)
 
 
 class Preemption:
@@ -64,6 +76,8 @@ class Preemption:
 
     def __init__(self):
         self._flag = threading.Event()
+        self.signum = signal.SIGTERM       # what set the flag first (SIGTERM for request_stop)
+        self._prev_int = None
         self._stopping = False
         self._prev_marker = None
         self._agreed = None            # device result of the last dispatched agreement
@@ -81,20 +95,29 @@ class Preemption:
 
     # ------------------------------------------------------------------ signal handler
     def install(self) -> "Preemption":
-        """SIGTERM sets the stop flag. Call from the main thread.
+        """SIGTERM, and Ctrl-C where Python's default SIGINT handler is in place, set the stop
+        flag; a second Ctrl-C raises KeyboardInterrupt. Call from the main thread.
 
-        Replaces the previous handler (including the one JAX's preemption service installs
-        in `jax.distributed.initialize`); `uninstall` puts it back.
+        Replaces the previous SIGTERM handler (including the one JAX's preemption service
+        installs in `jax.distributed.initialize`); `uninstall` puts both back.
         """
         def handler(signum, frame):
-            # Only an Event.set: see the module docstring.
+            # Only an Event.set (or the default Ctrl-C's raise): see the module docstring.
+            if signum == signal.SIGINT and self._flag.is_set() and self.signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            if not self._flag.is_set():
+                self.signum = signum
             self._flag.set()
 
         prev = signal.signal(signal.SIGTERM, handler)
+        prev_int = signal.getsignal(signal.SIGINT)
+        if prev_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, handler)
         if not self._installed:
             # None: a handler installed from C (JAX's); Python cannot put it back, so
             # uninstalling falls back to the default action.
             self._prev_handler = signal.SIG_DFL if prev is None else prev
+            self._prev_int = prev_int if prev_int is signal.default_int_handler else None
             self._installed = True
         return self
 
@@ -102,10 +125,12 @@ class Preemption:
         if self._installed:
             try:
                 signal.signal(signal.SIGTERM, self._prev_handler)
+                if self._prev_int is not None:
+                    signal.signal(signal.SIGINT, self._prev_int)
             except ValueError:  # not the main thread
                 pass
             self._installed = False
-            self._prev_handler = None
+            self._prev_handler = self._prev_int = None
 
     def __enter__(self):
         return self.install()
@@ -119,7 +144,8 @@ class Preemption:
 
     @property
     def received(self) -> bool:
-        """This process got SIGTERM (or `request_stop`). Local; `poll` is the agreed answer."""
+        """This process got SIGTERM, Ctrl-C or `request_stop`. Local; `poll` is the agreed
+        answer."""
         return self._flag.is_set()
 
     # ------------------------------------------------------------------ per-step check
@@ -143,6 +169,11 @@ class Preemption:
                     self._in_sharding, local, (self._n_global,)))
         if stop:
             self._stopping = True
-            log.warning("stopping at step %d (SIGTERM%s)", step,
-                        "" if self._flag.is_set() else " on another process")
+            if not self._flag.is_set():
+                log.warning("stopping at step %d (a signal on another process)", step)
+            elif self.signum == signal.SIGINT:
+                log.warning("stopping at step %d (Ctrl-C): saving it; Ctrl-C again stops at once",
+                            step)
+            else:
+                log.warning("stopping at step %d (SIGTERM)", step)
         return stop

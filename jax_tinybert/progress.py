@@ -108,8 +108,9 @@ class Progress:
         dt = self.elapsed
         return self.n / dt if dt > 0 else 0.0
 
-    def close(self) -> None:
-        """Ends the phase: closes the bar, or writes the closing line (phases over 1 s)."""
+    def close(self, stopped: bool = False) -> None:
+        """Ends the phase: closes the bar, or writes the closing line (phases over 1 s);
+        `stopped`: the phase ended early (an exception, Ctrl-C), and the line says so."""
         if self.t_end is not None:
             return
         self.t_end = time.perf_counter()
@@ -117,14 +118,19 @@ class Progress:
             return
         if self._bar is not None:
             self._bar.close()
+        elif stopped:
+            done = (f"{self._q(self.n)} of {self._q(self.total)}" if self.unit == "B" else
+                    f"{_fmt_num(self.n, self.unit)} of {self._q(self.total)}") if self.total \
+                else self._q(self.n)
+            self._line(f"stopped after {done} in {_fmt_time(self.elapsed)}")
         elif self.elapsed >= 1.0:
             self._line(f"{self._q(self.n)} in {_fmt_time(self.elapsed)} ({self._q(self.rate)}/s)")
 
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(stopped=exc_type is not None)
 
     # -- output -----------------------------------------------------------------------------
     def _q(self, x: float) -> str:

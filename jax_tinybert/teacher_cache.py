@@ -381,7 +381,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         # Remote: the staged folder stays as this process's local copy.
         fs.publish_dir(tmp, path, last=[META], keep_local=fs.is_remote(path))
     except BaseException:
-        prog.close()
+        prog.close(stopped=True)
         tokens.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -5,8 +5,8 @@ programs queued for compiling ahead -> teacher cache (built while they compile) 
 step, log, eval, checkpoint) -> finish (best params, export, summary.json).
 The same function runs teacher fine-tuning, general distillation, both task-distillation
 phases, PKD and KD: what differs is only the config (objective, teacher, student init, data).
-A preemption (SIGTERM, or a stop request) saves and raises `Preempted`; the CLI turns it into
-exit code 143, and rerunning the same command resumes.
+A preemption (SIGTERM, Ctrl-C, or a stop request) saves and raises `Preempted`; the CLI turns
+it into exit code 143 (130 after Ctrl-C), and rerunning the same command resumes.
 """
 from __future__ import annotations
 
@@ -247,9 +247,10 @@ def _save_and_maybe_stop(ckpt: Checkpointer, preemption: Preemption, writer: Met
         ckpt.close()
         writer.close()
         preemption.uninstall()
+        stop = Preempted(step, workdir, preemption.signum)
         if jax.process_index() == 0:
-            print(f"preempted: saved step {step}; rerun the same command to resume", flush=True)
-        raise Preempted(step, workdir)
+            print(str(stop).replace(f" in {workdir}", ""), flush=True)
+        raise stop
 
 
 def _wall_before(workdir: str, start_step: int, past: dict) -> float:

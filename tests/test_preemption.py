@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_tinybert.preemption import EXIT_CODE, Preempted, Preemption
+from jax_tinybert.preemption import EXIT_CODE, Preempted, Preemption, exit_code
 
 
 @jax.jit
@@ -94,3 +94,43 @@ def test_preempted_exception_and_exit_code():
     assert e.step == 7 and "saved step 7 in runs/x" in str(e) and EXIT_CODE == 143
     with pytest.raises(Preempted):
         raise e
+
+
+def test_ctrl_c_stops_like_sigterm_and_a_second_one_at_once():
+    """The first Ctrl-C sets the flag (the loop saves its step and exits 130); the second
+    raises KeyboardInterrupt at once; uninstall puts Python's own handler back."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    pre = Preemption().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert pre.received and pre.signum == signal.SIGINT and pre.poll(1, jnp.zeros(2))
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)   # the handler runs at the next bytecode; never reached
+    finally:
+        pre.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    e = Preempted(3, "runs/x", signal.SIGINT)
+    assert "interrupted (Ctrl-C): saved step 3 in runs/x" in str(e) and e.exit_code == 130
+    assert Preempted(3).exit_code == EXIT_CODE == exit_code(signal.SIGTERM)
+
+
+def test_ctrl_c_left_alone_where_python_does_not_own_it():
+    """Ignored (a background job, nohup) or a caller's own handler: install keeps it."""
+    for mine in (signal.SIG_IGN, lambda *a: None):
+        prev = signal.signal(signal.SIGINT, mine)
+        try:
+            with Preemption():
+                assert signal.getsignal(signal.SIGINT) is mine
+            assert signal.getsignal(signal.SIGINT) is mine
+        finally:
+            signal.signal(signal.SIGINT, prev)
+
+
+def test_sigterm_after_ctrl_c_keeps_the_ctrl_c_exit():
+    """The first signal names the stop; a SIGTERM after a Ctrl-C does not abort at once."""
+    with Preemption() as pre:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert pre.received and pre.signum == signal.SIGINT

@@ -28,6 +28,23 @@ def test_plain_lines_have_count_rate_eta(monkeypatch):
     assert p.rate == 40.0 and p.elapsed == 10.0
 
 
+def test_a_phase_ended_by_an_exception_says_it_stopped(monkeypatch):
+    """Ctrl-C or an error inside the phase: the closing line must not read like a finished
+    phase ("64 ex in 2s"), even a short one."""
+    t = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: t[0])
+    out = io.StringIO()
+    try:
+        with progress.Progress("teacher cache", total=256, unit="ex", stream=out, every_s=100,
+                               enabled=True) as p:
+            t[0] = 0.5
+            p.update(64)
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert out.getvalue().splitlines() == ["[teacher cache] stopped after 64 of 256 ex in 0s"]
+
+
 def test_plain_lines_are_periodic_and_bytes_are_scaled(monkeypatch):
     t = [0.0]
     monkeypatch.setattr(progress.time, "perf_counter", lambda: t[0])

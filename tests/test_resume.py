@@ -15,6 +15,7 @@ step) so that the signal lands mid-run at a known point.
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -76,7 +77,8 @@ def straight(setup, tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT],
+                         ids=["sigkill", "sigterm", "ctrl-c"])
 def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
     teacher, cache = setup
     wd = tmp_path / "wd"
@@ -97,9 +99,9 @@ def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
         assert rc == -signal.SIGKILL, out[-3000:]
         saved = max(s for s in range(5, STEPS + 1, 5) if T.checkpoint_done(wd, s))
     else:
-        # A final save at the step where the signal arrived, then exit code 143.
-        assert rc == 143, out[-3000:]
-        saved = T.saved_step(out)
+        # A final save at the step where the signal arrived, then exit code 128 + signal.
+        assert rc == 128 + sig, out[-3000:]
+        saved = T.saved_step(out, "preempted" if sig == signal.SIGTERM else "interrupted (Ctrl-C)")
         assert saved >= 10 and T.checkpoint_done(wd, saved)
         # Acted on within one step: the host runs at most one step ahead of the device, and
         # the slowed-down run had logged (finished) at least step saved - 1 when signalled.
@@ -243,3 +245,51 @@ def test_intermediate_run_with_teacher_cache_resumes_on_the_same_cache(setup, tm
     d = T.max_abs_diff(T.restore_state(straight, steps), T.restore_state(wd, steps))
     assert d == 0.0, f"final state differs from the straight run by {d}"
     assert not (wd / "cache" / "teacher").exists() and not (straight / "cache" / "teacher").exists()
+
+
+def test_ctrl_c_during_the_teacher_cache_build_exits_130_and_the_rerun_builds_it(setup, tmp_path):
+    """Ctrl-C before the training loop (here while the per-token teacher cache is built, each
+    teacher forward slowed down) prints one line, no traceback, exit 130; the same command
+    again builds the cache from scratch and finishes."""
+    teacher, cache = setup
+    wd = tmp_path / "wd"
+    # 40 steps of 8 read all 256 examples: the build forwards 32 batches, 0.5 s each.
+    args = T.train_args(wd, teacher, steps=40, extra=("--config.teacher.cache_tokens=always",))
+    # Python's own Ctrl-C handler, as in a terminal (as slow_main.py), whatever the test
+    # runner's workers do with SIGINT (an ignored SIGINT is inherited).
+    slow = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "import jax_tinybert.main as m, jax_tinybert.teacher_cache as tc\n"
+            "orig = tc.forwarded\n"
+            "def forwarded(*a, **k):\n"
+            "    for out in orig(*a, **k):\n"
+            "        print('a teacher forward', flush=True)\n"
+            "        time.sleep(0.5)\n"
+            "        yield out\n"
+            "tc.forwarded = forwarded\n"
+            "sys.argv = ['jax-tinybert'] + sys.argv[1:]\n"
+            "m.run()\n")
+    env = T.env(**T.cache_env(cache), JTB_TEACHER_STORE="off")
+    log = tmp_path / "interrupted.log"
+    proc = subprocess.Popen([T.PYTHON, "-c", slow, *args], env=env, cwd=REPO,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        T.wait_for(lambda: log.read_text().count("a teacher forward") >= 2, RUN_TIMEOUT, proc,
+                   "the cache build")
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert rc == 130, out[-3000:]
+    assert "Traceback" not in out and out.rstrip().splitlines()[-1] == (
+        "interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint, or "
+        "start over where there is none"), out[-3000:]
+    assert "[teacher cache] stopped after " in out and " of 256 ex in " in out
+    res = _run(args, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert "resumed from step" not in out and "stopped after" not in out, out[-3000:]
+    assert "teacher per-token cache: yes (0.00 GB (float16) for 256 rows)" in out, out[-3000:]
+    assert json.loads((wd / "summary.json").read_text())["steps"] == 40

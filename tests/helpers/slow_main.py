@@ -8,11 +8,16 @@ extra 512x512 matmuls inside the jitted step (reported as the metric `device_wor
 can run ahead of the device the way it does on an accelerator (a host callback would not do:
 on CPU a step holding one runs inline, at dispatch)."""
 import os
+import signal
 import time
 
-from jax_tinybert import main  # noqa: F401  (sets XLA_FLAGS from JTB_CPU_DEVICES first)
-from jax_tinybert import metrics_writer
-from jax_tinybert import step as step_lib
+# Python's own Ctrl-C handler, as in a terminal: a test runner's worker may ignore SIGINT, and
+# an ignored SIGINT is inherited (the CLI takes Ctrl-C only where Python's handler is in place).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+from jax_tinybert import main  # noqa: E402,F401  (sets XLA_FLAGS from JTB_CPU_DEVICES first)
+from jax_tinybert import metrics_writer  # noqa: E402
+from jax_tinybert import step as step_lib  # noqa: E402
 
 _write = metrics_writer.MetricsWriter.write
 _SLEEP = float(os.environ.get("JTB_TEST_STEP_SLEEP", "0.3"))

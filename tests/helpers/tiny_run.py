@@ -121,11 +121,12 @@ def wait_for(cond, timeout, proc=None, what=""):
         time.sleep(0.05)
 
 
-def saved_step(out: str) -> int:
-    """The step of the one "preempted: saved step N ..." line a SIGTERM'd CLI run prints."""
-    lines = [l for l in out.splitlines() if l.startswith("preempted: saved step ")]
+def saved_step(out: str, what: str = "preempted") -> int:
+    """The step of the one "<what>: saved step N ..." line a stopped CLI run prints
+    ("preempted" after SIGTERM, "interrupted (Ctrl-C)" after SIGINT)."""
+    lines = [l for l in out.splitlines() if l.startswith(f"{what}: saved step ")]
     assert len(lines) == 1, out[-3000:]
-    return int(lines[0].split()[3].rstrip(";"))
+    return int(lines[0][len(what):].split()[3].rstrip(";"))
 
 
 def restore_state(workdir, step):
