@@ -3,6 +3,7 @@ is acted on within a step even when nothing else blocks the loop. The 2-process 
 tested with the checkpoints (tests/test_checkpoints.py::test_two_processes_...)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -99,17 +100,17 @@ def test_preempted_exception_and_exit_code():
 def test_ctrl_c_stops_like_sigterm_and_a_second_one_at_once():
     """The first Ctrl-C sets the flag (the loop saves its step and exits 130); the second
     raises KeyboardInterrupt at once; uninstall puts Python's own handler back."""
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    pre = Preemption().install()
-    try:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert pre.received and pre.signum == signal.SIGINT and pre.poll(1, jnp.zeros(2))
-        with pytest.raises(KeyboardInterrupt):
+    with _python_owns_ctrl_c():
+        pre = Preemption().install()
+        try:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)   # the handler runs at the next bytecode; never reached
-    finally:
-        pre.uninstall()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert pre.received and pre.signum == signal.SIGINT and pre.poll(1, jnp.zeros(2))
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)   # the handler runs at the next bytecode; never reached
+        finally:
+            pre.uninstall()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     e = Preempted(3, "runs/x", signal.SIGINT)
     assert "interrupted (Ctrl-C): saved step 3 in runs/x" in str(e) and e.exit_code == 130
     assert Preempted(3).exit_code == EXIT_CODE == exit_code(signal.SIGTERM)
@@ -129,8 +130,19 @@ def test_ctrl_c_left_alone_where_python_does_not_own_it():
 
 def test_sigterm_after_ctrl_c_keeps_the_ctrl_c_exit():
     """The first signal names the stop; a SIGTERM after a Ctrl-C does not abort at once."""
-    with Preemption() as pre:
+    with _python_owns_ctrl_c(), Preemption() as pre:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
         assert pre.received and pre.signum == signal.SIGINT
+
+
+@contextlib.contextmanager
+def _python_owns_ctrl_c():
+    """Python's own SIGINT handler, as in a terminal: a test runner's worker (pytest-xdist)
+    may run with SIGINT ignored."""
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
