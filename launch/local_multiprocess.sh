@@ -31,9 +31,14 @@ Environment:
   PYTHON   interpreter (default: .venv/bin/python of the repo if it exists, else python3)
   MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ default to the values that
            stop glibc from unmapping XLA's per-step temporaries (as the Makefile does).
+  JTB_STOP_GRACE  seconds the processes get to save and stop after Ctrl-C (default 120).
 
 Process 0's log is also shown on the console. The script waits for all processes; as soon as
 one fails it kills the others, names the failed process and its log, and exits with its code.
+Ctrl-C (or SIGTERM to this script) sends every process SIGTERM: each saves its step and stops,
+as a preempted run does, and the script waits for them (up to JTB_STOP_GRACE seconds, default
+120, then kills them) and exits 130 (143 after SIGTERM); rerunning the command resumes. A
+second Ctrl-C kills them at once.
 
 Example:
   launch/local_multiprocess.sh -n 2 -d 4 -- --config=configs/demo.py --workdir=runs/mp
@@ -51,6 +56,7 @@ PORT=""
 TIMEOUT=0
 LOG_DIR=""
 MODULE="jax_tinybert.main"
+STOP_GRACE="${JTB_STOP_GRACE:-120}"
 QUIET=0
 DRY_RUN=0
 
@@ -81,6 +87,7 @@ PROGRAM_ARGS=("$@")
 [[ "$DEVICES" =~ ^[1-9][0-9]*$ ]] || die "--devices must be a positive integer, got '$DEVICES'"
 [[ "$TIMEOUT" =~ ^[0-9]+$ ]] || die "--timeout must be a whole number of seconds, got '$TIMEOUT'"
 [[ -z "$PORT" || "$PORT" =~ ^[0-9]+$ ]] || die "--port must be a number, got '$PORT'"
+[[ "$STOP_GRACE" =~ ^[0-9]+$ ]] || die "JTB_STOP_GRACE must be a whole number of seconds, got '$STOP_GRACE'"
 
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$REPO_DIR/.venv/bin/python" ]]; then
@@ -129,12 +136,12 @@ quote() {  # print arguments shell-quoted, readable when nothing needs quoting
 PIDS=()
 TAIL_PID=""
 
-kill_all() {  # kill_all SIGNAL: signal every still-running process, escalate to KILL after 5 s
-  local sig="$1" pid i
+kill_all() {  # kill_all SIGNAL [GRACE]: signal every running process, KILL after GRACE s (5)
+  local sig="$1" grace="${2:-5}" pid i
   for pid in "${PIDS[@]+"${PIDS[@]}"}"; do
     if kill -0 "$pid" 2>/dev/null; then kill "-$sig" "$pid" 2>/dev/null || true; fi
   done
-  for ((i = 0; i < 50; i++)); do
+  for ((i = 0; i < grace * 10; i++)); do
     local alive=0
     for pid in "${PIDS[@]+"${PIDS[@]}"}"; do
       if kill -0 "$pid" 2>/dev/null; then alive=1; fi
@@ -154,17 +161,32 @@ stop_tail() {
   fi
 }
 
-on_signal() {
-  echo "local_multiprocess.sh: interrupted, stopping all processes" >&2
-  kill_all TERM
+STOP_CODE=0
+
+kill_now() {  # a second interrupt while the processes save
+  echo "local_multiprocess.sh: killing all processes now" >&2
+  kill_all KILL 0
   stop_tail
-  exit 130
+  exit "$STOP_CODE"
+}
+
+on_signal() {  # on_signal EXIT_CODE: Ctrl-C or SIGTERM to this script
+  STOP_CODE="$1"
+  # The processes run in the background, where Ctrl-C does not reach them: SIGTERM makes each
+  # save its step and stop (jax_tinybert/preemption.py), which can take a step and a save.
+  trap kill_now INT TERM
+  echo "local_multiprocess.sh: interrupted; every process saves its step and stops (waiting up to ${STOP_GRACE}s; interrupt again to kill them at once)" >&2
+  kill_all TERM "$STOP_GRACE"
+  stop_tail
+  echo "local_multiprocess.sh: all processes stopped; rerun the same command to resume; logs in $LOG_DIR" >&2
+  exit "$STOP_CODE"
 }
 
 echo "local_multiprocess.sh: $NUM_PROCESSES processes x $DEVICES CPU devices, coordinator 127.0.0.1:$PORT, logs in $LOG_DIR" >&2
 if [[ "$DRY_RUN" -eq 0 ]]; then
   mkdir -p "$LOG_DIR"
-  trap on_signal INT TERM
+  trap 'on_signal 130' INT
+  trap 'on_signal 143' TERM
 fi
 
 for ((i = 0; i < NUM_PROCESSES; i++)); do

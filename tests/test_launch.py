@@ -4,6 +4,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -198,7 +199,14 @@ STAND_IN = textwrap.dedent("""
         time.sleep(0.5)
         print("process 1 gives up", flush=True)
         sys.exit(3)
-    if mode in ("fail", "hang"):
+    if mode == "save":   # SIGTERM: a save that takes longer than the old 5 s grace, then 143
+        import signal
+        def saved(*_):
+            time.sleep(6)
+            open(os.path.join(out, f"saved_{pid}"), "w").close()
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, saved)
+    if mode in ("fail", "hang", "save"):
         time.sleep(600)
 """)
 
@@ -265,6 +273,43 @@ def test_local_multiprocess_timeout(tmp_path):
     assert time.monotonic() - t0 < 30 and "timeout" in res.stderr
     for i in range(2):
         assert not _alive(int((marks / f"env_{i}").read_text().split()[4]))
+
+
+@pytest.mark.timeout(120)
+def test_local_multiprocess_interrupt_lets_every_process_save_then_a_second_kills():
+    """Ctrl-C or SIGTERM to the script: each process gets SIGTERM and the time to save its step
+    (here 6 s; the script once killed them after 5 s); a second signal kills them at once.
+    SIGTERM drives the test: a test runner may start it with SIGINT ignored, which bash then
+    cannot trap; both signals take the same path."""
+    import signal
+
+    for twice in (False, True):
+        env, marks = _stand_in(tmp_path := pathlib.Path(tempfile.mkdtemp()))
+        proc = subprocess.Popen(["bash", str(LAUNCH / "local_multiprocess.sh"), "-n", "2", "-d", "1",
+                                 "-q", "-l", str(tmp_path / "logs"), "-m", "stand_in", "--", "save"],
+                                env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not all((marks / f"env_{i}").exists() for i in range(2)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the processes did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)   # their SIGTERM handlers are in place
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        if twice:
+            time.sleep(1)
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+        assert proc.returncode == 143, err
+        pids = [int((marks / f"env_{i}").read_text().split()[4]) for i in range(2)]
+        assert not any(_alive(p) for p in pids), err
+        saved = [(marks / f"saved_{i}").exists() for i in range(2)]
+        if twice:
+            assert saved == [False, False] and elapsed < 5 and "killing all processes now" in err, err
+        else:
+            assert saved == [True, True] and 6 <= elapsed < 30, (elapsed, err)
+            assert "every process saves its step and stops" in err and "rerun the same command" in err
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def test_local_multiprocess_dry_run_and_bad_args():
