@@ -150,6 +150,8 @@ kill_all() {  # kill_all SIGNAL [GRACE]: signal every running process, KILL afte
     sleep 0.1
   done
   for pid in "${PIDS[@]+"${PIDS[@]}"}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  # Reaped before this script goes on (or exits): none is left running behind it.
+  for pid in "${PIDS[@]+"${PIDS[@]}"}"; do wait "$pid" 2>/dev/null || true; done
 }
 
 stop_tail() {
