@@ -119,10 +119,11 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         elif stopped:
-            done = (f"{self._q(self.n)} of {self._q(self.total)}" if self.unit == "B" else
-                    f"{_fmt_num(self.n, self.unit)} of {self._q(self.total)}") if self.total \
-                else self._q(self.n)
-            self._line(f"stopped after {done} in {_fmt_time(self.elapsed)}")
+            # "64 of 256 ex", "1.0 MB of 20.0 MB", or "64 ex" without a total.
+            bare = self.total and self.unit != "B"
+            n = _fmt_num(self.n, self.unit) if bare else self._q(self.n)
+            of = f" of {self._q(self.total)}" if self.total else ""
+            self._line(f"stopped after {n}{of} in {_fmt_time(self.elapsed)}")
         elif self.elapsed >= 1.0:
             self._line(f"{self._q(self.n)} in {_fmt_time(self.elapsed)} ({self._q(self.rate)}/s)")
 

@@ -247,10 +247,9 @@ def _save_and_maybe_stop(ckpt: Checkpointer, preemption: Preemption, writer: Met
         ckpt.close()
         writer.close()
         preemption.uninstall()
-        stop = Preempted(step, workdir, preemption.signum)
-        if jax.process_index() == 0:
-            print(str(stop).replace(f" in {workdir}", ""), flush=True)
-        raise stop
+        if jax.process_index() == 0:   # the exception's message, less the workdir
+            print(Preempted(step, signum=preemption.signum), flush=True)
+        raise Preempted(step, workdir, preemption.signum)
 
 
 def _wall_before(workdir: str, start_step: int, past: dict) -> float:

@@ -82,14 +82,8 @@ def test_cli_run_preempted_and_resumed_in_a_bucket(emulator, tmp_path_factory, t
     log = tmp_path / "first.log"
     proc = subprocess.Popen([T.PYTHON, "-m", "slow_main", *_args(wd, teacher)], env=env,
                             cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
-        T.wait_for(lambda: "checkpoints/3/commit_success.txt" in _objects(wd), 300, proc,
-                   "the step-3 checkpoint in the bucket")
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc = T.signal_when(proc, lambda: "checkpoints/3/commit_success.txt" in _objects(wd),
+                       signal.SIGTERM, 300, "the step-3 checkpoint in the bucket")
     out = log.read_text()
     assert rc == 143, out[-3000:]
     saved = T.saved_step(out)

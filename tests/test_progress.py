@@ -43,6 +43,14 @@ def test_a_phase_ended_by_an_exception_says_it_stopped(monkeypatch):
     except KeyboardInterrupt:
         pass
     assert out.getvalue().splitlines() == ["[teacher cache] stopped after 64 of 256 ex in 0s"]
+    for kw, n, line in ((dict(total=20_000_000, unit="B"), 1_000_000,
+                         "[x] stopped after 1.0 MB of 20.0 MB in 0s"),
+                        (dict(unit="ex"), 64, "[x] stopped after 64 ex in 0s")):
+        out = io.StringIO()
+        p = progress.Progress("x", stream=out, every_s=100, enabled=True, **kw)
+        p.update(n)
+        p.close(stopped=True)
+        assert out.getvalue().splitlines() == [line]
 
 
 def test_plain_lines_are_periodic_and_bytes_are_scaled(monkeypatch):

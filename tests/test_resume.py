@@ -84,14 +84,8 @@ def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
     wd = tmp_path / "wd"
     args = _args(wd, teacher)
     env = _env(cache)
-    proc = _start(args, env, tmp_path / "killed.log")
-    try:
-        T.wait_for(lambda: T.checkpoint_done(wd, 10), RUN_TIMEOUT, proc, "checkpoint 10")
-        proc.send_signal(sig)
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc = T.signal_when(_start(args, env, tmp_path / "killed.log"),
+                       lambda: T.checkpoint_done(wd, 10), sig, RUN_TIMEOUT, "checkpoint 10")
     out = (tmp_path / "killed.log").read_text()
     seen = T.read_metrics(wd)
     assert max(seen) < STEPS, "the run finished before the signal: nothing was tested"
@@ -200,14 +194,8 @@ def test_sigterm_through_the_cli_stops_within_a_step_and_exits_143(setup, tmp_pa
              "--config.train.eval_every=100"]   # no blocking call (log, eval, save) before 20
     env = _env(cache, JTB_TEST_DEVICE_STEP_MATMULS="30")
     log = tmp_path / "run.log"
-    proc = _start(args, env, log)
-    try:
-        T.wait_for(lambda: "step      1/20" in log.read_text(), RUN_TIMEOUT, proc, "step 1")
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc = T.signal_when(_start(args, env, log), lambda: "step      1/20" in log.read_text(),
+                       signal.SIGTERM, RUN_TIMEOUT, "step 1")
     out = log.read_text()
     assert rc == 143, out[-3000:]
     saved = T.saved_step(out)
@@ -228,15 +216,11 @@ def test_intermediate_run_with_teacher_cache_resumes_on_the_same_cache(setup, tm
     res = _run(args(straight), _env(cache))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     wd = tmp_path / "wd"
-    proc = _start(args(wd), _env(cache), tmp_path / "killed.log")
-    try:
-        T.wait_for(lambda: T.checkpoint_done(wd, 10), RUN_TIMEOUT, proc, "checkpoint 10")
-        assert (wd / "cache" / "teacher" / "teacher_attn.bin").exists()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 143
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # At checkpoint 10 the per-token cache is in the workdir: training reads it.
+    attn = wd / "cache" / "teacher" / "teacher_attn.bin"
+    assert T.signal_when(_start(args(wd), _env(cache), tmp_path / "killed.log"),
+                         lambda: T.checkpoint_done(wd, 10) and attn.exists(), signal.SIGTERM,
+                         RUN_TIMEOUT, "checkpoint 10 with the per-token cache") == 143
     assert (wd / "cache" / "teacher" / "meta.json").exists()   # kept for the rerun
     res = _run(args(wd), _env(cache))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -273,14 +257,8 @@ def test_ctrl_c_during_the_teacher_cache_build_exits_130_and_the_rerun_builds_it
     log = tmp_path / "interrupted.log"
     proc = subprocess.Popen([T.PYTHON, "-c", slow, *args], env=env, cwd=REPO,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
-        T.wait_for(lambda: log.read_text().count("a teacher forward") >= 2, RUN_TIMEOUT, proc,
-                   "the cache build")
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc = T.signal_when(proc, lambda: log.read_text().count("a teacher forward") >= 2,
+                       signal.SIGINT, RUN_TIMEOUT, "the cache build")
     out = log.read_text()
     assert rc == 130, out[-3000:]
     assert "Traceback" not in out and out.rstrip().splitlines()[-1] == (

@@ -121,6 +121,18 @@ def wait_for(cond, timeout, proc=None, what=""):
         time.sleep(0.05)
 
 
+def signal_when(proc, cond, sig, timeout, what="") -> int:
+    """Waits (as `wait_for`) until `cond()`, sends `proc` the signal `sig` and returns its exit
+    code; the process is killed if anything fails on the way."""
+    try:
+        wait_for(cond, timeout, proc, what)
+        proc.send_signal(sig)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def saved_step(out: str, what: str = "preempted") -> int:
     """The step of the one "<what>: saved step N ..." line a stopped CLI run prints
     ("preempted" after SIGTERM, "interrupted (Ctrl-C)" after SIGINT)."""
