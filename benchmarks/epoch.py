@@ -47,7 +47,7 @@ from typing import Dict, List, Optional
 from cpu_info import cpuinfo
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.malloc import MALLOC_ENV  # noqa: E402
+from jax_tinybert import malloc  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(_HERE)
@@ -64,8 +64,9 @@ _STORES: List[str] = []  # set by main(): fresh teacher and token stores
 
 
 def _env() -> Dict[str, str]:
+    # The CLI's allocator (tcmalloc where installed), for the references too: their best case.
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               **MALLOC_ENV)
+               **malloc.wanted(force=True))
     env.pop("JTB_BENCH_REEXEC", None)
     if _COMPILE_CACHE:
         # Empty at the start: the first process of each shape pays the compilation as a new
@@ -386,7 +387,8 @@ def render(res: dict) -> str:
     m = res["machine"]
     fam = (f", family {m['cpu_family']} model {m['cpu_model']}"
            if m.get("cpu_family") is not None else "")
-    lines = [f"Machine: {m['cpu']}{fam} ({m['nproc']} cores); "
+    alloc = f"allocator {m['allocator']}; " if m.get("allocator") else ""
+    lines = [f"Machine: {m['cpu']}{fam} ({m['nproc']} cores); {alloc}"
              f"{res['date']}; command `{res['command']}`; load {res['load_start']} at the start, "
              f"{res['load_end']} at the end.", ""]
     for task, t in res["tasks"].items():
@@ -453,7 +455,8 @@ def machine() -> dict:
     flags = ids.get("flags", "").split()
     feats = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     return {"cpu": cpu, "cpu_family": ids.get("cpu family"), "cpu_model": ids.get("model"),
-            "nproc": os.cpu_count(), "features": feats, "python": platform.python_version()}
+            "nproc": os.cpu_count(), "features": feats, "python": platform.python_version(),
+            "allocator": malloc.allocator(_env())}
 
 
 def parse_args(argv=None):
@@ -521,8 +524,8 @@ def main(argv=None):
            "command": " ".join(["benchmarks/epoch.py"] + (argv or sys.argv[1:])),
            "machine": machine(), "load_start": _loadavg(), "tasks": {}}
     print(f"# {res['machine']['cpu']} (family {res['machine']['cpu_family']} model "
-          f"{res['machine']['cpu_model']}), {res['machine']['nproc']} cores; load "
-          f"{res['load_start']}",
+          f"{res['machine']['cpu_model']}), {res['machine']['nproc']} cores; allocator "
+          f"{res['machine']['allocator']}; load {res['load_start']}",
           flush=True)
     if args.official_dir:
         prepare_official(args)

@@ -33,8 +33,9 @@ shape on an H100; XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotu
 that to ~20 s at up to 15% lower speed (benchmarks/RESULTS.md, the H100 section).
 Without the packaged MiniLM teacher (e.g. on a bare GPU machine) `minilm` falls back to random
 weights of its shape (printed; timing does not depend on the values); `--random-teacher` forces it.
-The script re-executes itself with the glibc malloc settings of the Makefile (MALLOC_*) when they are
-not already in the environment (they must be set before Python starts).
+The script re-executes itself with the CLI's allocator (jax_tinybert/malloc.py: tcmalloc preloaded where
+installed, and the glibc malloc settings of the Makefile, MALLOC_*) when they are not already in the
+environment (they must be set before Python starts); `machine.allocator` in the JSON says which ran.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.malloc import MALLOC_ENV, restart_unless_set  # noqa: E402  (no JAX yet)
+from jax_tinybert.malloc import MALLOC_ENV, allocator, restart_unless_set  # noqa: E402  (no JAX yet)
 
 if __name__ == "__main__":
     restart_unless_set()
@@ -501,6 +502,7 @@ def machine_info() -> dict:
             "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
             "device_kind": jax.devices()[0].device_kind,
             "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
+            "allocator": allocator(),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if info["backend"] == "gpu":
         try:

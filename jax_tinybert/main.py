@@ -10,8 +10,9 @@ or SLURM / TPU VM auto-detection; JTB_CPU_DEVICES=N simulates N devices on the C
 Compiled steps are cached across runs in ~/.cache/jax_tinybert/xla (JTB_COMPILE_CACHE=off: not),
 teacher outputs in ~/.cache/jax_tinybert/teacher (JTB_TEACHER_STORE=DIR or off; teacher_store.py),
 and tokenised GLUE splits in ~/.cache/jax_tinybert/tokens (JTB_TOKEN_STORE=DIR or off).
-On glibc the command restarts itself once with the malloc settings XLA's CPU steps run fastest
-under (jax_tinybert/malloc.py), unless the environment has its own (JTB_MALLOC=off: never).
+On glibc the command restarts itself once with the allocator XLA's CPU steps run fastest under
+(jax_tinybert/malloc.py: tcmalloc where installed, else glibc's malloc with tuned settings),
+unless the environment has its own (JTB_MALLOC=glibc: no tcmalloc; off: never).
 """
 import os
 import sys
@@ -167,14 +168,15 @@ _REEXEC_MARK = "JTB_MALLOC_REEXEC"
 
 
 def _malloc_reexec() -> None:
-    """Restarts this command with malloc.MALLOC_ENV when it runs on glibc without any of it:
-    none of MALLOC_ENV's variables and no GLIBC_TUNABLES set (a user's own malloc settings are
-    kept), JTB_MALLOC not off, and not restarted already."""
+    """Restarts this command with malloc.wanted() (tcmalloc preloaded where installed, glibc's
+    MALLOC_ENV) when it runs on glibc without them: a user's own malloc settings or LD_PRELOAD
+    are kept, JTB_MALLOC=off never restarts, and a restarted process does not restart again."""
     if (os.environ.get(_REEXEC_MARK) or fs.env_off("JTB_MALLOC")
-            or any(k in os.environ for k in malloc.MALLOC_ENV) or "GLIBC_TUNABLES" in os.environ
             or not getattr(sys, "orig_argv", None) or not malloc.is_glibc()):
         return
-    malloc.restart(_REEXEC_MARK)
+    add = malloc.wanted()
+    if add:
+        malloc.restart(_REEXEC_MARK, add)
 
 
 def run(argv=None):

@@ -1,9 +1,19 @@
-"""The glibc malloc settings XLA's CPU steps run fastest under, and the restart that applies them.
+"""The allocator XLA's CPU steps run fastest under, and the restart that applies it.
 
-glibc reads them once, at process start, so a process that lacks them restarts itself (same
+- gperftools' tcmalloc, where installed (Debian/Ubuntu: libtcmalloc-minimal4, which
+  `make install` adds when it can): preloaded (LD_PRELOAD), it makes XLA's compilations ~30%
+  faster and the train steps 3-12% faster than glibc's malloc with the settings below (2-core
+  Xeon, benchmarks/RESULTS.md, session 21).
+- Otherwise glibc's malloc with MALLOC_ENV: together (neither alone) they make the train steps
+  12-18% faster on 2 cores (prediction and intermediate, T 64 and 128) than glibc's defaults,
+  for compilations ~40% slower (session 18). They are set with tcmalloc too (then unused), so a
+  child process started without the preload still gets them.
+
+Both are read once, at process start, so a process that lacks them restarts itself (same
 interpreter, options and arguments, same PID) before anything starts threads or JAX's backend.
-Together (neither alone) they make the train steps 12-18% faster on 2 cores (prediction and
-intermediate, T 64 and 128), for compilations ~40% slower (benchmarks/RESULTS.md, session 18).
+JTB_MALLOC=glibc: glibc's malloc with MALLOC_ENV even where tcmalloc is installed; off: no
+restart at all. JTB_TCMALLOC=PATH: the tcmalloc library to preload, where it is not in a
+standard folder.
 
 Imports only the standard library, and `jax_tinybert/__init__.py` loads the model lazily, so a
 script can `from jax_tinybert import malloc` and restart before JAX is loaded. The Makefile
@@ -13,10 +23,17 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List
+from typing import Dict, List, Mapping, Optional
 
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
               "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so",
+                  "libtcmalloc.so")
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+            "/lib/aarch64-linux-gnu", "/usr/lib64", "/lib64", "/usr/lib", "/usr/local/lib")
+# tcmalloc prints a "large alloc" line for each allocation over 1 GiB by default (a teacher
+# cache's buffers, a big batch): the CLI's output is for the user.
+TCMALLOC_ENV = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
 
 
 def is_glibc() -> bool:
@@ -27,22 +44,71 @@ def is_glibc() -> bool:
         return False
 
 
+def tcmalloc_path() -> Optional[str]:
+    """The tcmalloc library to preload: $JTB_TCMALLOC if that file exists, else the first of
+    TCMALLOC_NAMES in LIB_DIRS; None if there is none."""
+    named = os.environ.get("JTB_TCMALLOC")
+    if named:
+        return named if os.path.isfile(named) else None
+    for d in LIB_DIRS:
+        for name in TCMALLOC_NAMES:
+            if os.path.isfile(os.path.join(d, name)):
+                return os.path.join(d, name)
+    return None
+
+
+def allocator(environ: Optional[Mapping[str, str]] = None) -> str:
+    """What this process's environment says it allocates with: "tcmalloc" (preloaded), or
+    "glibc" (with MALLOC_ENV), or "glibc defaults"/"glibc, own settings"."""
+    env = os.environ if environ is None else environ
+    if "tcmalloc" in env.get("LD_PRELOAD", ""):
+        return "tcmalloc"
+    if all(env.get(k) == v for k, v in MALLOC_ENV.items()):
+        return "glibc"
+    if any(k in env for k in MALLOC_ENV) or "GLIBC_TUNABLES" in env:
+        return "glibc, own settings"
+    return "glibc defaults"
+
+
+def wanted(environ: Optional[Mapping[str, str]] = None, force: bool = False) -> Dict[str, str]:
+    """The variables to add to `environ` (default os.environ) for the fast allocator; {} when
+    it has them already. A user's own settings are kept (nothing is added): malloc variables
+    other than MALLOC_ENV's values, GLIBC_TUNABLES, or an LD_PRELOAD (tcmalloc is then not
+    added); `force` (benchmarks, whose numbers must come from these settings) overrides
+    MALLOC_* and GLIBC_TUNABLES but still keeps an LD_PRELOAD. JTB_MALLOC=glibc: no tcmalloc."""
+    env = os.environ if environ is None else environ
+    own = (any(k in env and env[k] != v for k, v in MALLOC_ENV.items())
+           or "GLIBC_TUNABLES" in env)
+    if own and not force:
+        return {}
+    add = {k: v for k, v in MALLOC_ENV.items() if env.get(k) != v}
+    lib = (None if env.get("JTB_MALLOC", "").lower() == "glibc" or env.get("LD_PRELOAD")
+           else tcmalloc_path())
+    if lib:
+        add["LD_PRELOAD"] = lib
+        add.update({k: v for k, v in TCMALLOC_ENV.items() if env.get(k) != v})
+    return add
+
+
 def _argv() -> List[str]:
     # orig_argv keeps `-m module` and interpreter options; sys.argv[0] would be the module's file.
     orig = getattr(sys, "orig_argv", None)
     return [sys.executable] + (list(orig[1:]) if orig else list(sys.argv))
 
 
-def restart(mark: str) -> None:
-    """Replaces this process by itself with MALLOC_ENV and `mark`=1 added to its environment
-    (the restarted process sees `mark` and does not restart again). Does not return."""
+def restart(mark: str, add: Optional[Mapping[str, str]] = None) -> None:
+    """Replaces this process by itself with `add` (default: wanted(force=True)) and `mark`=1
+    added to its environment (the restarted process sees `mark` and does not restart again).
+    Does not return."""
+    add = wanted(force=True) if add is None else add
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, _argv(), dict(os.environ, **MALLOC_ENV, **{mark: "1"}))
+    os.execve(sys.executable, _argv(), dict(os.environ, **add, **{mark: "1"}))
 
 
 def restart_unless_set(mark: str = "JTB_BENCH_REEXEC") -> None:
     """For benchmark scripts, whose numbers must come from these settings exactly: restarts
-    unless every MALLOC_ENV variable already holds its value (or this is the restarted process)."""
-    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()) and not os.environ.get(mark):
-        restart(mark)
+    with wanted(force=True) unless that is empty (or this is the restarted process)."""
+    add = wanted(force=True)
+    if add and not os.environ.get(mark) and is_glibc():
+        restart(mark, add)
