@@ -141,6 +141,7 @@ def main(argv):
         raise UserError(f"--workdir={FLAGS.workdir}: the demo needs a local workdir (each stage "
                         "loads the previous stage's export from it); run the stages one by one "
                         "with gs:// workdirs, or pass a local folder")
+    logging.getLogger("jax_tinybert").info("allocator: %s", malloc.allocator())
     try:
         if config.stage == "demo":
             pipeline.run_demo(config, FLAGS.workdir)

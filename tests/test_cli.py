@@ -215,7 +215,7 @@ def test_cli_environment_defaults_reach_jax(tmp_path):
 
 _MALLOC_VARS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                 "GLIBC_TUNABLES", "JTB_MALLOC", "JTB_MALLOC_REEXEC", "LD_PRELOAD", "JTB_TCMALLOC",
-                "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD")
+                "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", "TCMALLOC_RELEASE_RATE")
 
 
 def test_the_cli_restarts_once_with_the_fast_allocator_unless_the_user_has_own_settings():
@@ -267,6 +267,7 @@ def test_tcmalloc_says_nothing_of_large_allocations_under_the_cli_settings():
                     "libtcmalloc-minimal4`)")
     env = dict(_env_without(*_MALLOC_VARS), **malloc.wanted({}))
     assert env["LD_PRELOAD"] == lib and int(env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 2 ** 40
+    assert env["TCMALLOC_RELEASE_RATE"] == "0"   # freed pages stay mapped, as glibc's do
     r = subprocess.run([tiny_run.PYTHON, "-c", "import numpy as np; a = np.ones(2 ** 28); "
                         "print(a.nbytes)"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=120)   # 2 GiB
