@@ -89,7 +89,7 @@ def wanted(environ: Optional[Mapping[str, str]] = None, force: bool = False) -> 
            else tcmalloc_path())
     if lib:
         add["LD_PRELOAD"] = lib
-        add.update({k: v for k, v in TCMALLOC_ENV.items() if env.get(k) != v})
+        add.update({k: v for k, v in TCMALLOC_ENV.items() if k not in env})   # a user's own kept
     return add
 
 

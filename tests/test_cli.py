@@ -268,6 +268,7 @@ def test_tcmalloc_says_nothing_of_large_allocations_under_the_cli_settings():
     env = dict(_env_without(*_MALLOC_VARS), **malloc.wanted({}))
     assert env["LD_PRELOAD"] == lib and int(env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 2 ** 40
     assert env["TCMALLOC_RELEASE_RATE"] == "0"   # freed pages stay mapped, as glibc's do
+    assert "TCMALLOC_RELEASE_RATE" not in malloc.wanted({"TCMALLOC_RELEASE_RATE": "2"})
     r = subprocess.run([tiny_run.PYTHON, "-c", "import numpy as np; a = np.ones(2 ** 28); "
                         "print(a.nbytes)"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=120)   # 2 GiB
