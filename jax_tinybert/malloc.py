@@ -47,10 +47,10 @@ def is_glibc() -> bool:
         return False
 
 
-def tcmalloc_path() -> Optional[str]:
-    """The tcmalloc library to preload: $JTB_TCMALLOC if that file exists, else the first of
-    TCMALLOC_NAMES in LIB_DIRS; None if there is none."""
-    named = os.environ.get("JTB_TCMALLOC")
+def tcmalloc_path(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The tcmalloc library to preload: $JTB_TCMALLOC (of `environ`, default os.environ) if
+    that file exists, else the first of TCMALLOC_NAMES in LIB_DIRS; None if there is none."""
+    named = (os.environ if environ is None else environ).get("JTB_TCMALLOC")
     if named:
         return named if os.path.isfile(named) else None
     for d in LIB_DIRS:
@@ -86,7 +86,7 @@ def wanted(environ: Optional[Mapping[str, str]] = None, force: bool = False) -> 
         return {}
     add = {k: v for k, v in MALLOC_ENV.items() if env.get(k) != v}
     lib = (None if env.get("JTB_MALLOC", "").lower() == "glibc" or env.get("LD_PRELOAD")
-           else tcmalloc_path())
+           else tcmalloc_path(env))
     if lib:
         add["LD_PRELOAD"] = lib
         add.update({k: v for k, v in TCMALLOC_ENV.items() if k not in env})   # a user's own kept
@@ -99,11 +99,10 @@ def _argv() -> List[str]:
     return [sys.executable] + (list(orig[1:]) if orig else list(sys.argv))
 
 
-def restart(mark: str, add: Optional[Mapping[str, str]] = None) -> None:
-    """Replaces this process by itself with `add` (default: wanted(force=True)) and `mark`=1
-    added to its environment (the restarted process sees `mark` and does not restart again).
-    Does not return."""
-    add = wanted(force=True) if add is None else add
+def restart(mark: str, add: Mapping[str, str]) -> None:
+    """Replaces this process by itself with `add` (e.g. wanted()) and `mark`=1 added to its
+    environment (the restarted process sees `mark` and does not restart again). Does not
+    return."""
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, _argv(), dict(os.environ, **add, **{mark: "1"}))
