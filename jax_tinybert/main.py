@@ -19,6 +19,9 @@ import sys
 
 from jax_tinybert import fs, malloc
 
+if __name__ == "__main__":
+    malloc.restart_command()   # before JAX is imported (jax_tinybert/cli.py: the same)
+
 
 def _early_env() -> None:
     # Must happen before JAX is imported: device count and allocator flags are read at start.
@@ -165,25 +168,10 @@ def _wants_verbose(argv) -> bool:
     return verbose
 
 
-_REEXEC_MARK = "JTB_MALLOC_REEXEC"
-
-
-def _malloc_reexec() -> None:
-    """Restarts this command with malloc.wanted() (tcmalloc preloaded where installed, glibc's
-    MALLOC_ENV) when it runs on glibc without them: a user's own malloc settings or LD_PRELOAD
-    are kept, JTB_MALLOC=off never restarts, and a restarted process does not restart again."""
-    if (os.environ.get(_REEXEC_MARK) or fs.env_off("JTB_MALLOC")
-            or not getattr(sys, "orig_argv", None) or not malloc.is_glibc()):
-        return
-    add = malloc.wanted()
-    if add:
-        malloc.restart(_REEXEC_MARK, add)
-
-
 def run(argv=None):
     """The `jax-tinybert` entry point."""
-    if argv is None:
-        _malloc_reexec()
+    if argv is None:   # a caller that imported this module first: restart now, if at all
+        malloc.restart_command()
     argv = list(sys.argv if argv is None else argv)
     if any(a in HELP_ARGS for a in argv[1:]):
         prog = ("python -m jax_tinybert.main" if argv[0].endswith(("main.py", "-m"))

@@ -226,9 +226,9 @@ def test_the_cli_restarts_once_with_the_fast_allocator_unless_the_user_has_own_s
     from jax_tinybert.malloc import MALLOC_ENV, tcmalloc_path
 
     lib = tcmalloc_path()
-    code = ("import os, jax_tinybert.main as m; e = os.environ.get; print(os.getpid(), "
+    code = ("import os, jax_tinybert.malloc as m; e = os.environ.get; print(os.getpid(), "
             "e('MALLOC_ARENA_MAX'), e('MALLOC_MMAP_THRESHOLD_'), e('JTB_MALLOC_REEXEC'), "
-            "e('LD_PRELOAD'), flush=True); m._malloc_reexec()")
+            "e('LD_PRELOAD'), flush=True); m.restart_command()")
 
     def lines(**extra):
         env = dict(_env_without(*_MALLOC_VARS), **extra)
@@ -248,11 +248,16 @@ def test_the_cli_restarts_once_with_the_fast_allocator_unless_the_user_has_own_s
     assert [ln[-1] for ln in lines(JTB_TCMALLOC="/nonexistent/libtcmalloc.so")] == ["None", "None"]
     made = lines(**MALLOC_ENV)   # as `make demo` starts it
     assert [ln[-1] for ln in made] == (["None", str(lib)] if lib else ["None"])
-    # The entry point restarts before its work: --help prints once, exit 0.
-    r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.main", "--help"], cwd=REPO,
-                       env=_env_without(*_MALLOC_VARS), capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0 and r.stdout.count("usage: ") == 1, (r.stdout, r.stderr)
+    # Both entry points restart before their work (--help prints once, exit 0) and before
+    # JAX is imported: with -X importtime (kept by the restart) only one process imports it.
+    for entry in (["-m", "jax_tinybert.main"],
+                  ["-c", "import sys; from jax_tinybert.cli import run; sys.exit(run())"]):
+        r = subprocess.run([tiny_run.PYTHON, "-X", "importtime", *entry, "--help"], cwd=REPO,
+                           env=_env_without(*_MALLOC_VARS), capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and r.stdout.count("usage: ") == 1, (r.stdout, r.stderr[-2000:])
+        jax_imports = [ln for ln in r.stderr.splitlines() if re.search(r"\|\s+jax$", ln)]
+        assert len(jax_imports) == 1, (entry, jax_imports)
 
 
 def test_tcmalloc_says_nothing_of_large_allocations_under_the_cli_settings():
