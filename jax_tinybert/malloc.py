@@ -15,8 +15,8 @@ JTB_MALLOC=glibc: glibc's malloc with MALLOC_ENV even where tcmalloc is installe
 restart at all. JTB_TCMALLOC=PATH: the tcmalloc library to preload, where it is not in a
 standard folder.
 
-Imports only the standard library, and `jax_tinybert/__init__.py` loads the model lazily, so a
-script can `from jax_tinybert import malloc` and restart before JAX is loaded. The Makefile
+Imports only the standard library and `fs` (etils), and `jax_tinybert/__init__.py` loads the
+model lazily, so a script can `from jax_tinybert import malloc` and restart before JAX is loaded. The Makefile
 exports the same values (make cannot import Python; tests/test_cli.py compares the two).
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Dict, List, Mapping, Optional
+
+from jax_tinybert import fs   # the standard library and etils only
 
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "17179869184",
               "MALLOC_TRIM_THRESHOLD_": "17179869184"}
@@ -117,8 +119,6 @@ def restart_command() -> None:
     LD_PRELOAD are kept, JTB_MALLOC=off never restarts, and a restarted process (CLI_MARK set)
     does not restart again. Called before JAX is imported: the first process then costs ~0.1 s
     instead of JAX's ~1 s of imports, paid again after the restart."""
-    from jax_tinybert import fs   # standard library and etils only
-
     if (os.environ.get(CLI_MARK) or fs.env_off("JTB_MALLOC")
             or not getattr(sys, "orig_argv", None) or not is_glibc()):
         return

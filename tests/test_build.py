@@ -109,9 +109,10 @@ def _imports():
 
 def test_package_imports_are_a_dag_at_the_top_of_each_file():
     imports = _imports()
-    # The package's lazy attribute loader is the one import made on demand (by design).
+    # Made on demand by design: the package's lazy attribute loader, and the console script,
+    # which restarts with the fast allocator before it imports main (and so JAX).
     inner = [(m, line, t) for m, found in imports.items() for line, t, top in found
-             if not top and m != "jax_tinybert"]
+             if not top and m not in ("jax_tinybert", "jax_tinybert.cli")]
     assert not inner, f"function-level imports of the package: {inner}"
     graph = {m: {t for _, t, top in found if top} for m, found in imports.items()}
     state, cycles = {}, []
