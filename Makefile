@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 # Under the CLI's allocator (tcmalloc where installed: the in-process compiles run ~30% faster).
 # PYTEST_ARGS: e.g. PYTEST_ARGS="-n 0" (serial) or PYTEST_ARGS="-k resume".
 test: install
-	env $$($(BIN)/python -m jax_tinybert.malloc) $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS) tests
+	$(BIN)/python -m jax_tinybert.malloc $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS) tests
 
 # WORKDIR=DIR: where the demo writes (default runs/demo). DEMO_ARGS: extra config overrides,
 # e.g. DEMO_ARGS="--config.demo_steps.teacher=40 --config.data.synthetic_train=500" (a smaller run).

@@ -16,8 +16,9 @@ restart at all. JTB_TCMALLOC=PATH: the tcmalloc library to preload, where it is 
 standard folder.
 
 Imports only the standard library and `fs` (etils), and `jax_tinybert/__init__.py` loads the
-model lazily, so a script can `from jax_tinybert import malloc` and restart before JAX is loaded. The Makefile
-exports the same values (make cannot import Python; tests/test_cli.py compares the two).
+model lazily, so a script can `from jax_tinybert import malloc` and restart before JAX is
+loaded. The Makefile exports the same values (make cannot import Python; tests/test_cli.py
+compares the two), and runs the test suite through `python -m jax_tinybert.malloc pytest ...`.
 """
 from __future__ import annotations
 
@@ -136,6 +137,9 @@ def restart_unless_set(mark: str = "JTB_BENCH_REEXEC") -> None:
 
 
 if __name__ == "__main__":
-    # `env $(python -m jax_tinybert.malloc) CMD`: CMD with wanted()'s variables (the Makefile's
-    # test target: the suite's in-process compiles run ~30% faster under tcmalloc).
-    print(" ".join(f"{k}={v}" for k, v in wanted().items()))
+    # `python -m jax_tinybert.malloc CMD [ARGS]` runs CMD with wanted()'s variables added (the
+    # Makefile's test target: the suite's in-process compiles run ~30% faster under tcmalloc);
+    # alone, it prints them, KEY=VALUE one per line.
+    if len(sys.argv) > 1:
+        os.execvpe(sys.argv[1], sys.argv[1:], dict(os.environ, **wanted()))
+    print("\n".join(f"{k}={v}" for k, v in wanted().items()))

@@ -248,18 +248,24 @@ def test_the_cli_restarts_once_with_the_fast_allocator_unless_the_user_has_own_s
     assert [ln[-1] for ln in lines(JTB_TCMALLOC="/nonexistent/libtcmalloc.so")] == ["None", "None"]
     made = lines(**MALLOC_ENV)   # as `make demo` starts it
     assert [ln[-1] for ln in made] == (["None", str(lib)] if lib else ["None"])
-    # What the Makefile's test target runs the suite under: the same variables, as KEY=VALUE.
+    # What the Makefile's test target runs the suite under (`python -m jax_tinybert.malloc
+    # CMD`): the same variables; alone, the module prints them as KEY=VALUE lines.
     def printed(**extra):
         r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.malloc"], cwd=REPO,
                            env=dict(_env_without(*_MALLOC_VARS), **extra), capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0, r.stderr
-        return dict(w.split("=", 1) for w in r.stdout.split())
+        return dict(ln.split("=", 1) for ln in r.stdout.splitlines() if ln)
     tc = ({"LD_PRELOAD": lib, "TCMALLOC_RELEASE_RATE": "0",
            "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)} if lib else {})
     assert printed() == dict(MALLOC_ENV, **tc)
     assert printed(MALLOC_ARENA_MAX="4") == {}
     assert printed(**MALLOC_ENV) == tc   # as `make test` runs it
+    show = "import os; print(os.environ.get('LD_PRELOAD'), os.environ.get('MALLOC_ARENA_MAX'))"
+    r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.malloc", tiny_run.PYTHON, "-c",
+                        show], cwd=REPO, env=_env_without(*_MALLOC_VARS), capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.split() == [str(lib), MALLOC_ENV["MALLOC_ARENA_MAX"]], r.stderr
     # Both entry points restart before their work (--help prints once, exit 0) and before
     # JAX is imported: with -X importtime (kept by the restart) only one process imports it.
     for entry in (["-m", "jax_tinybert.main"],
