@@ -5,8 +5,8 @@ untracked-but-not-ignored) goes into a temp folder with `shared` beside it (a li
 data), so `../shared/...` in the README resolves as it does for a user. Then, in that clone and
 with relative paths:
 
-* `make demo` (the real target, its default relative WORKDIR=runs/demo), made small through the
-  Makefile's DEMO_ARGS knob;
+* `make demo` exactly as written (the real target, its default relative WORKDIR=runs/demo and
+  default steps, ~90 s), whose student must keep the teacher's accuracy;
 * every command of the README's "The command line" recipe block, in the README's order, then
   the "Export" block. The commands are parsed FROM README.md (fenced block, `\\` continuations
   joined, `export VAR=...` lines applied, `$VAR` substituted), so editing the README changes
@@ -57,11 +57,6 @@ SMALL_BY_CONFIG = {
                                    "--config.student.num_attention_heads=12"],
 }
 SMALL_AUGMENT = ["--max_rows", "4", "--N", "2", "--batch_size", "16"]
-DEMO_ARGS = ("--config.demo_steps.teacher=4 --config.demo_steps.general=4 "
-             "--config.demo_steps.intermediate=4 --config.demo_steps.pred=4 "
-             "--config.data.synthetic_train=64 --config.data.synthetic_eval=32 "
-             "--config.train.batch_size=16 --config.data.max_len=32 '--config.data.buckets=(32,)'")
-
 
 # --------------------------------------------------------------------------- README parsing
 
@@ -192,11 +187,13 @@ def test_clone_code_runs(clone):
 
 
 def test_make_demo(clone):
-    """`make demo` as written, default WORKDIR (relative runs/demo), small through DEMO_ARGS."""
+    """`make demo` exactly as written: default WORKDIR (relative runs/demo), default steps
+    (~90 s on 2 cores). Its student must keep the teacher's accuracy, as the README shows: a
+    change of the demo's random streams once left it at 0.8775 (against 0.95) unnoticed."""
     repo, env = clone
-    out = _run(["make", "-o", ".venv/.installed", "demo", f"DEMO_ARGS={DEMO_ARGS}"], repo, env)
+    out = _run(["make", "-o", ".venv/.installed", "demo"], repo, env)
     res = json.loads((repo / "runs" / "demo" / "results.json").read_text())
-    assert 0.0 <= res["student"]["main"] <= 1.0 and res["student_params"] > 0, res
+    assert res["teacher"]["main"] >= 0.95 and res["student"]["main"] >= 0.90, res
     table = [l for l in out.splitlines() if l.startswith(("teacher (", "student ("))]
     assert len(table) == 2, out[-3000:]
     for stage in ("teacher", "general", "intermediate", "pred"):
