@@ -114,26 +114,24 @@ def restart(mark: str, add: Mapping[str, str]) -> None:
 CLI_MARK = "JTB_MALLOC_REEXEC"
 
 
-def restart_command() -> None:
-    """The CLI's restart: with wanted() (tcmalloc preloaded where installed, glibc's
-    MALLOC_ENV) when this process runs on glibc without them. A user's own malloc settings or
-    LD_PRELOAD are kept, JTB_MALLOC=off never restarts, and a restarted process (CLI_MARK set)
-    does not restart again. Called before JAX is imported: the first process then costs ~0.1 s
-    instead of JAX's ~1 s of imports, paid again after the restart."""
-    if (os.environ.get(CLI_MARK) or fs.env_off("JTB_MALLOC")
-            or not getattr(sys, "orig_argv", None) or not is_glibc()):
+def restart_unless_set(mark: str = "JTB_BENCH_REEXEC", force: bool = True) -> None:
+    """Restarts with wanted(force=force) unless that is empty, this is the restarted process
+    (`mark` set) or the C library is not glibc. Benchmark scripts, whose numbers must come from
+    these settings exactly, call it with the default force=True."""
+    if os.environ.get(mark) or not is_glibc():
         return
-    add = wanted()
+    add = wanted(force=force)
     if add:
-        restart(CLI_MARK, add)
-
-
-def restart_unless_set(mark: str = "JTB_BENCH_REEXEC") -> None:
-    """For benchmark scripts, whose numbers must come from these settings exactly: restarts
-    with wanted(force=True) unless that is empty (or this is the restarted process)."""
-    add = wanted(force=True)
-    if add and not os.environ.get(mark) and is_glibc():
         restart(mark, add)
+
+
+def restart_command() -> None:
+    """The CLI's restart: restart_unless_set(CLI_MARK, force=False), so a user's own malloc
+    settings or LD_PRELOAD are kept; JTB_MALLOC=off never restarts. Called before JAX is
+    imported: the first process then costs ~0.1 s instead of JAX's ~1 s of imports, paid again
+    after the restart."""
+    if not fs.env_off("JTB_MALLOC") and getattr(sys, "orig_argv", None):
+        restart_unless_set(CLI_MARK, force=False)
 
 
 if __name__ == "__main__":
