@@ -400,13 +400,15 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
                                     teacher_dropout=config.teacher.dropout,
                                     student_dropout=config.student.dropout)
     accum = config.train.grad_accum
+    pad = optim.resolve(optimizer_config(config))["pad_token_id"]
     if splits_update(config, total_steps, num_buckets):
         train_step = step_lib.jit_split_train_step(
             step_lib.make_grad_step(loss_fn, grad_accum=accum, mesh=mesh),
-            step_lib.make_update_step(tx, schedule), state_sh, teacher_sh, mesh)
+            step_lib.make_update_step(tx, schedule, pad), state_sh, teacher_sh, mesh)
     else:
         train_step = step_lib.jit_train_step(
-            step_lib.make_train_step(loss_fn, tx, schedule, grad_accum=accum, mesh=mesh),
+            step_lib.make_train_step(loss_fn, tx, schedule, grad_accum=accum, mesh=mesh,
+                                     pad_token_id=pad),
             state_sh, teacher_sh, mesh)
     eval_step = None
     if with_eval:

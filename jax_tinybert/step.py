@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_tinybert import sharding as shd
+from jax_tinybert import optim, sharding as shd
 from jax_tinybert.objectives import CACHED_TOKEN_KEYS
 from jax_tinybert.train_state import TrainState
 
@@ -108,14 +108,17 @@ def make_grad_step(loss_fn: Callable, *, grad_accum: int = 1,
 
 
 def make_update_step(tx: optax.GradientTransformation,
-                     schedule: Callable[[Array], Array]) -> Callable:
+                     schedule: Callable[[Array], Array],
+                     pad_token_id: Optional[int] = None) -> Callable:
     """-> update(state, grads) -> (state, {"grad_norm", "lr"}), not jitted: the optimizer's
-    step (grad_norm: global L2 of `grads`; lr: the schedule's value at this step)."""
+    step (grad_norm: global L2 of `grads`; lr: the schedule's value at this step).
+    pad_token_id: the optimizer's (optim.resolve), so that the norm shares its sums with the
+    optimizer's clip instead of reading every gradient once more."""
 
     def update(state: TrainState, grads):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"grad_norm": optax.tree.norm(grads),
+        metrics = {"grad_norm": optim.global_norm(grads, pad_token_id),
                    "lr": jnp.asarray(schedule(state.step), jnp.float32)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -124,11 +127,11 @@ def make_update_step(tx: optax.GradientTransformation,
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
                     schedule: Callable[[Array], Array], *, grad_accum: int = 1,
-                    mesh: Optional[Mesh] = None) -> Callable:
+                    mesh: Optional[Mesh] = None, pad_token_id: Optional[int] = None) -> Callable:
     """-> step(state, teacher_params, batch) -> (state, metrics), not yet jitted: the gradient
     step and the update step as one function (metrics: both steps' metrics)."""
     grads_fn = make_grad_step(loss_fn, grad_accum=grad_accum, mesh=mesh)
-    update_fn = make_update_step(tx, schedule)
+    update_fn = make_update_step(tx, schedule, pad_token_id)
 
     def step(state: TrainState, teacher_params, batch):
         grads, metrics = grads_fn(state, teacher_params, batch)

@@ -135,6 +135,86 @@ def test_adamw_global_clip():
     np.testing.assert_allclose(mu, 0.1 * np.array([0.6, 0.8, 0.0]), rtol=1e-5)
 
 
+def _emb_tree(rng, vocab=7, d=3):
+    return {"bert": {"embeddings": {"word_embeddings": {
+        "embedding": rng.normal(size=(vocab, d)).astype(np.float32)}},
+        "pooler": {"kernel": rng.normal(size=(d, d)).astype(np.float32),
+                   "bias": rng.normal(size=(d,)).astype(np.float32)}}}
+
+
+def test_global_norm_and_sums_split_at_the_pad_row():
+    rng = np.random.default_rng(0)
+    g = _emb_tree(rng)
+    emb = g["bert"]["embeddings"]["word_embeddings"]["embedding"].astype(np.float64)
+    rest = sum((x.astype(np.float64) ** 2).sum() for x in g["bert"]["pooler"].values())
+    free, rows = optim.global_sumsq(jax.tree_util.tree_map(jnp.asarray, g), pad_token_id=4)
+    np.testing.assert_allclose(float(free), rest + (np.delete(emb, 4, 0) ** 2).sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(rows), (emb[4] ** 2).sum(), rtol=1e-6)
+    whole = np.sqrt(rest + (emb ** 2).sum())
+    for pad in (None, 0, 4, 6):
+        np.testing.assert_allclose(float(optim.global_norm(g, pad)), whole, rtol=1e-6)
+    free, rows = optim.global_sumsq(g, None)
+    assert float(rows) == 0.0
+    np.testing.assert_allclose(float(free), whole ** 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [0.05, 20.0])   # global norm below and above clip_norm 1.0
+def test_adamw_clip_leaves_the_pad_row_out_of_the_norm(scale):
+    """AdamW's first step in NumPy: the [PAD] row zeroed, then the rest clipped to norm 1 (as
+    torch's clip_grad_norm_ sees a padding_idx row that never gets a gradient)."""
+    rng = np.random.default_rng(1)
+    p = _emb_tree(rng)
+    g = jax.tree_util.tree_map(lambda x: (x * scale).astype(np.float32), _emb_tree(rng))
+    emb_g = g["bert"]["embeddings"]["word_embeddings"]["embedding"].copy()
+    emb_g[2] = 1e4    # huge, but zeroed before it could count
+    g["bert"]["embeddings"]["word_embeddings"]["embedding"] = emb_g
+    tx, _ = optim.make_optimizer({"name": "adamw", "learning_rate": 1.0, "schedule": "constant",
+                                  "clip_norm": 1.0, "weight_decay": 0.0, "pad_token_id": 2}, 10)
+    _, st = tx.update(jax.tree_util.tree_map(jnp.asarray, g), tx.init(p), p)
+    mu = [s for s in jax.tree_util.tree_leaves(st, is_leaf=lambda x: hasattr(x, "mu"))
+          if hasattr(s, "mu")][0].mu
+    g0 = jax.tree_util.tree_map(lambda x: x.astype(np.float64), g)
+    g0["bert"]["embeddings"]["word_embeddings"]["embedding"][2] = 0.0
+    norm = np.sqrt(sum((x ** 2).sum() for x in jax.tree_util.tree_leaves(g0)))
+    factor = min(1.0, 1.0 / norm)
+    for got, want in zip(jax.tree_util.tree_leaves(mu), jax.tree_util.tree_leaves(g0)):
+        np.testing.assert_allclose(np.asarray(got), 0.1 * want * factor, rtol=2e-6, atol=1e-12)
+
+
+def test_adamw_state_keeps_the_structure_earlier_checkpoints_hold():
+    """Until session 23 the chain was (zero the [PAD] row, optax.clip_by_global_norm, adamw);
+    the clip now comes first, and both states must stay empty so old checkpoints restore."""
+    p = jax.tree_util.tree_map(jnp.asarray, _emb_tree(np.random.default_rng(2)))
+    tx, sched = optim.make_optimizer({"name": "adamw"}, 10)
+    old = optax.chain(optim.zero_pad_embedding_grad(0), optax.clip_by_global_norm(1.0),
+                      optax.adamw(sched, eps=1e-6, weight_decay=0.01, mask=optim.decay_mask))
+    assert (jax.tree_util.tree_structure(tx.init(p))
+            == jax.tree_util.tree_structure(old.init(p)))
+
+
+def test_update_program_reads_the_embedding_gradient_in_place():
+    """The compiled update over a word embedding: no copy of its gradient (the scatter that
+    zeroed the [PAD] row made one) and no clipped gradient written out (optax's per-element
+    divide did): three passes over [V, D] write the two moments and the parameters.
+    benchmarks/optimizer_update.py times it (RESULTS.md, session 23)."""
+    import re
+
+    from jax_tinybert import step as step_lib
+    from jax_tinybert.train_state import TrainState
+
+    vocab, d = 1031, 24
+    p = {"student": {"bert": {"embeddings": {"word_embeddings": {
+        "embedding": jnp.ones((vocab, d))}}, "pooler": {"kernel": jnp.ones((d, d))}}}, "proj": {}}
+    tx, sched = optim.make_optimizer({"name": "adamw"}, 10)
+    state = TrainState.create(p, tx, jax.random.PRNGKey(0))
+    update = jax.jit(step_lib.make_update_step(tx, sched, 0), donate_argnums=(0,))
+    hlo = update.lower(state, state.params).compile().as_text()
+    big = [line for line in hlo.splitlines()
+           if re.match(rf"\s*(ROOT )?%[\w.-]+ = f32\[{vocab},{d}\]", line)
+           and re.search(r" (fusion|copy)\(", line)]
+    assert len(big) == 3 and not any(" copy(" in line for line in big), "\n".join(big)
+
+
 # ----------------------------------------------------------------------------- official parity
 
 @pytest.fixture(scope="module")
