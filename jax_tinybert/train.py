@@ -365,7 +365,20 @@ def evaluate(eval_fn, params, data: build.Data, mesh) -> Dict[str, float]:
     p = preds[:, 0] if preds.shape[1] == 1 else preds.argmax(-1)
     out = M.compute(data.task, p, labels)
     out["main"] = M.score(data.task, p, labels)
+    if preds.shape[1] > 1 and len(p) > 1 and np.all(p == p[0]) and jax.process_index() == 0:
+        print(one_class_warning(int(p[0]), len(p), data.id2label,
+                                float(np.mean(labels == p[0]))), flush=True)
     return out
+
+
+def one_class_warning(cls: int, n: int, id2label: Optional[Dict[int, str]],
+                      share: float) -> str:
+    """The line printed when a classifier gives every dev example the same class: its scores
+    are then the majority-class baseline's (or below), whatever they look like."""
+    name = f"class {cls}" + (f" ({id2label[cls]})" if id2label and cls in id2label else "")
+    return (f"[eval] warning: all {n:,} dev examples were predicted as {name}, which is "
+            f"{share:.2%} of the dev labels: the model has not learned to tell the classes "
+            "apart yet (train longer, or raise optim.learning_rate)")
 
 
 def _export(run: build.Run, params, workdir: str) -> str:

@@ -218,3 +218,46 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
     with pytest.raises(train.ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
                        r"over min\(teacher.cache_max_gb=1e-06 GB"):
         plan(6, cache_tokens="always", cache_max_gb=1e-6)
+
+
+class _DevBatches:
+    """Two dev batches of 3 rows each (the last row of the second a filler, example_id -1)."""
+
+    def __init__(self, first_tokens):
+        ids = [np.array([0, 1, 2]), np.array([3, 4, -1])]
+        self.batches = [{"input_ids": np.repeat(np.asarray(t, np.int32)[:, None], 4, axis=1),
+                         "attention_mask": np.ones((3, 4), np.int32),
+                         "token_type_ids": np.zeros((3, 4), np.int32), "example_id": i}
+                        for i, t in zip(ids, first_tokens)]
+
+    def reset(self):
+        pass
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize("collapsed", [True, False])
+def test_eval_warns_when_every_dev_example_gets_one_class(collapsed, capsys):
+    """A classifier stuck on one class scores the majority-class rate, which can look like a
+    result (SST-2's dev set: 0.5092); the eval says so in one line."""
+    import jax
+
+    from jax_tinybert import sharding as shd
+
+    labels = np.array([1, 0, 1, 1, 0])
+    # The fake model predicts each row's first token as its class: all 1, or the labels.
+    tokens = [[1, 1, 1], [1, 1, 1]] if collapsed else [[1, 0, 1], [1, 0, 0]]
+    data = build.Data(None, _DevBatches(tokens), labels, "sst2", 2,
+                      {0: "negative", 1: "positive"}, None)
+    eval_fn = lambda params, batch: jax.nn.one_hot(batch["input_ids"][:, 0], 2)
+    mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    out = train.evaluate(eval_fn, None, data, mesh)
+    printed = capsys.readouterr().out
+    if collapsed:
+        assert out["acc"] == pytest.approx(0.6)
+        assert ("all 5 dev examples were predicted as class 1 (positive), which is 60.00% of "
+                "the dev labels") in printed
+    else:
+        assert out["acc"] == pytest.approx(1.0)
+        assert "warning" not in printed
