@@ -149,7 +149,8 @@ def global_sumsq(grads, pad_token_id: Optional[int] = None) -> Tuple[jax.Array, 
     `global_norm` build the same expressions, so in one program XLA computes them once."""
     free, rows = [], []
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        if pad_token_id is not None and _is_word_embedding(path, g):
+        if (pad_token_id is not None and _is_word_embedding(path, g)
+                and 0 <= int(pad_token_id) < g.shape[0]):
             p = int(pad_token_id)
             free.append(jnp.sum(jnp.square(g[:p])) + jnp.sum(jnp.square(g[p + 1:])))
             rows.append(jnp.sum(jnp.square(g[p])))
@@ -176,8 +177,8 @@ def clip_by_global_norm(max_norm: float,
     multiplies by max_norm (results within one rounding of each other): a per-element divide is
     costly enough that XLA writes the clipped gradients out once for the two moments to read,
     while a product by a scalar it recomputes inside each. With the pad row read by slices
-    (`global_sumsq`), AdamW's update over a MiniLM-L6-sized tree takes ~39 ms instead of ~46 on
-    2 Xeon cores (benchmarks/RESULTS.md, session 23)."""
+    (`global_sumsq`), AdamW's update over a MiniLM-L6-sized tree takes ~36 ms instead of ~44 on
+    2 Xeon cores (benchmarks/optimizer_update.py; RESULTS.md, session 23)."""
     def update(grads, state, params=None):
         del params
         free, _ = global_sumsq(grads, pad_token_id)

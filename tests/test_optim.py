@@ -307,3 +307,10 @@ def test_bertadam_reproduces_official_steps(oracle, stage):
             a, b = a[k], b[k]
         for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
             assert np.array_equal(np.asarray(x), np.asarray(y)), path
+
+
+def test_a_pad_id_outside_the_vocabulary_leaves_every_row_in_the_norm():
+    g = jax.tree_util.tree_map(jnp.asarray, _emb_tree(np.random.default_rng(3), vocab=5))
+    free, rows = optim.global_sumsq(g, pad_token_id=5)
+    np.testing.assert_allclose(float(free), float(optax.tree.norm(g)) ** 2, rtol=1e-6)
+    assert float(rows) == 0.0
