@@ -375,7 +375,8 @@ def one_class_warning(cls: int, n: int, id2label: Optional[Dict[int, str]],
                       share: float) -> str:
     """The line printed when a classifier gives every dev example the same class: its scores
     are then the majority-class baseline's (or below), whatever they look like."""
-    name = f"class {cls}" + (f" ({id2label[cls]})" if id2label and cls in id2label else "")
+    label = str(id2label.get(cls, cls)) if id2label else str(cls)
+    name = f"class {cls}" + (f" ({label})" if label != str(cls) else "")
     return (f"[eval] warning: all {n:,} dev examples were predicted as {name}, which is "
             f"{share:.2%} of the dev labels: the model has not learned to tell the classes "
             "apart yet (train longer, or raise optim.learning_rate)")

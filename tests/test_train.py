@@ -256,6 +256,8 @@ def test_eval_warns_when_every_dev_example_gets_one_class(collapsed, capsys):
     printed = capsys.readouterr().out
     if collapsed:
         assert out["acc"] == pytest.approx(0.6)
+        # SST-2's own label names are "0" and "1": no "class 1 (1)".
+        assert "class 1 (1)" not in train.one_class_warning(1, 5, {0: "0", 1: "1"}, 0.6)
         assert ("all 5 dev examples were predicted as class 1 (positive), which is 60.00% of "
                 "the dev labels") in printed
     else:
