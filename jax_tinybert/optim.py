@@ -144,16 +144,18 @@ def global_sumsq(grads, pad_token_id: Optional[int] = None) -> Tuple[jax.Array, 
     """-> (sum of squares of every gradient element except row `pad_token_id` of each word
     embedding, sum of squares of those rows); float32 scalars. Without a pad id: (all, 0).
 
-    The rows are split off by slices, which XLA reads inside the reduction; a select zeroing the
-    row would be written out as a whole [V, D] array first. `clip_by_global_norm` and
-    `global_norm` build the same expressions, so in one program XLA computes them once."""
+    A word embedding's [V, D] gradient is read once, into per-row sums [V], and the pad row is
+    left out of those: a slice `g[pad + 1:]` was copied out whole before its reduction, and a
+    select zeroing the row written out too. `clip_by_global_norm` and `global_norm` build the
+    same expressions, so in one program XLA computes them once."""
     free, rows = [], []
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         if (pad_token_id is not None and _is_word_embedding(path, g)
                 and 0 <= int(pad_token_id) < g.shape[0]):
-            p = int(pad_token_id)
-            free.append(jnp.sum(jnp.square(g[:p])) + jnp.sum(jnp.square(g[p + 1:])))
-            rows.append(jnp.sum(jnp.square(g[p])))
+            per_row = jnp.sum(jnp.square(g), axis=1)
+            pad = jnp.arange(g.shape[0]) == int(pad_token_id)
+            free.append(jnp.sum(jnp.where(pad, jnp.zeros((), per_row.dtype), per_row)))
+            rows.append(per_row[int(pad_token_id)])
         else:
             free.append(jnp.sum(jnp.square(g)))
     total = lambda xs: sum(xs[1:], xs[0]) if xs else jnp.zeros((), jnp.float32)
@@ -176,9 +178,9 @@ def clip_by_global_norm(max_norm: float,
     Scales by one factor, max_norm / norm, where optax divides each element by the norm then
     multiplies by max_norm (results within one rounding of each other): a per-element divide is
     costly enough that XLA writes the clipped gradients out once for the two moments to read,
-    while a product by a scalar it recomputes inside each. With the pad row read by slices
-    (`global_sumsq`), AdamW's update over a MiniLM-L6-sized tree takes ~36 ms instead of ~44 on
-    2 Xeon cores (benchmarks/optimizer_update.py; RESULTS.md, session 23)."""
+    while a product by a scalar it recomputes inside each. With the pad row left out of per-row
+    sums (`global_sumsq`), AdamW's update over a MiniLM-L6-sized tree takes ~28 ms instead of
+    ~40 on 2 Xeon cores (benchmarks/optimizer_update.py; RESULTS.md, session 23)."""
     def update(grads, state, params=None):
         del params
         free, _ = global_sumsq(grads, pad_token_id)
