@@ -170,6 +170,8 @@ class BertOutput:
     [B, 1, D] (pooled and logits are the same as without).
     pooled: [B, D] tanh(dense(h_last[:, 0])), or None without a pooler.
     logits: [B, C] for classification models (C = 1: regression), else None.
+    Packed rows (`cls_positions` [B, S] given): pooled is [B, S, D] and logits [B, S, C], one
+    per segment; with `cls_only` hidden_states[-1] is [B, S, D] (the segments' [CLS] rows).
     """
 
     hidden_states: Tuple[Array, ...]
@@ -191,6 +193,15 @@ def matmul_rows(x: Array, kernel: Array) -> Array:
     [N, in] (see _FlatDense for why)."""
     y = x.reshape((-1, x.shape[-1])) @ kernel
     return y.reshape(x.shape[:-1] + (kernel.shape[1],))
+
+
+def query_rows(x: Array, cls_positions: Optional[Array]) -> Array:
+    """The rows a `cls_only` last layer computes: x [B, T, ...] -> [B, 1, ...] (row 0), or
+    [B, S, ...] at cls_positions int [B, S] (each packed segment's [CLS] row)."""
+    if cls_positions is None:
+        return x[:, :1]
+    idx = cls_positions.reshape(cls_positions.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
 
 
 class _FlatDense(nn.Dense):
@@ -262,9 +273,11 @@ class BertSelfAttention(_BertModule):
     """Multi-head self-attention (query/key/value); also returns the pre-softmax logits."""
 
     @nn.compact
-    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False):
-        """h [B, T, D], mask_bias [B, 1, 1, T] additive -> (context [B, Q, D], logits
-        [B, H, Q, T]); Q = T, or 1 with `cls_only` (queries from the [CLS] row only)."""
+    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
+                 cls_positions: Optional[Array] = None):
+        """h [B, T, D], mask_bias [B, 1, 1, T] or [B, 1, T, T] additive -> (context [B, Q, D],
+        logits [B, H, Q, T]); Q = T, or with `cls_only` 1 (queries from the [CLS] row only) or S
+        (from the rows at cls_positions [B, S])."""
         c = self.config
         B, T, D = h.shape
         # One [B*T, D] x [D, 3*D] product instead of three [D, D] ones: the same sums (each
@@ -291,7 +304,10 @@ class BertSelfAttention(_BertModule):
         heads = [split(proj[:, :, i]) for i in range(n)]
         if cls_only:
             wq, bq = nn.dtypes.promote_dtype(kernels[0], biases[0], dtype=self.dtype)
-            q, (k, v) = split(matmul_rows(h[:, :1], wq) + bq), heads
+            q, (k, v) = split(matmul_rows(query_rows(h, cls_positions), wq) + bq), heads
+            if mask_bias.shape[2] > 1:   # a per-query mask: the queries' rows of it
+                mask_bias = jnp.swapaxes(query_rows(jnp.swapaxes(mask_bias, 1, 2),
+                                                    cls_positions), 1, 2)
         else:
             q, k, v = heads
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
@@ -328,11 +344,12 @@ class BertAttention(_BertModule):
     """Self-attention + its output block -> (h [B, T, D], attention logits [B, H, T, T])."""
 
     @nn.compact
-    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False):
+    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
+                 cls_positions: Optional[Array] = None):
         ctx, logits = BertSelfAttention(self.config, self.dtype, self.param_dtype, name="self")(
-            h, mask_bias, deterministic, cls_only)
+            h, mask_bias, deterministic, cls_only, cls_positions)
         out = BertSelfOutput(self.config, self.dtype, self.param_dtype, name="output")(
-            ctx, h[:, :1] if cls_only else h, deterministic)
+            ctx, query_rows(h, cls_positions) if cls_only else h, deterministic)
         return out, logits
 
 
@@ -340,12 +357,14 @@ class BertLayer(_BertModule):
     """One transformer layer: attention, then the feed-forward block."""
 
     @nn.compact
-    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False):
-        """h [B, T, D] -> (h' [B, Q, D], attention logits [B, H, Q, T]); Q = T, or 1 with
-        `cls_only`: the [CLS] row's output, which needs every row's keys and values only."""
+    def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
+                 cls_positions: Optional[Array] = None):
+        """h [B, T, D] -> (h' [B, Q, D], attention logits [B, H, Q, T]); Q = T, or with
+        `cls_only` 1 (the [CLS] row's output, which needs every row's keys and values only) or
+        S (the rows at cls_positions [B, S]: each packed segment's [CLS])."""
         c = self.config
         a, logits = BertAttention(c, self.dtype, self.param_dtype, name="attention")(
-            h, mask_bias, deterministic, cls_only)
+            h, mask_bias, deterministic, cls_only, cls_positions)
         # Names as HF: intermediate/dense, then output/dense + output/LayerNorm.
         inter = _Intermediate(c, self.dtype, self.param_dtype, name="intermediate")(a)
         out = BertFFNOutput(c, self.dtype, self.param_dtype, name="output")(
@@ -386,13 +405,14 @@ class BertLayerCollection(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True,
-                 attention_layers: frozenset = frozenset(), cls_only: bool = False):
+                 attention_layers: frozenset = frozenset(), cls_only: bool = False,
+                 cls_positions: Optional[Array] = None):
         cls = nn.remat(BertLayer, static_argnums=(3, 4)) if self.remat else BertLayer
         hidden, logits = [h], []
         n = self.config.num_hidden_layers
         for i in range(n):
             h, lg = cls(self.config, self.dtype, self.param_dtype, name=str(i))(
-                h, mask_bias, deterministic, cls_only and i == n - 1)
+                h, mask_bias, deterministic, cls_only and i == n - 1, cls_positions)
             hidden.append(h)
             # Unrequested logits are dropped here; under jit XLA never materialises them.
             logits.append(lg if (i + 1) in attention_layers else None)
@@ -406,18 +426,18 @@ class BertEncoder(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic=True, attention_layers=frozenset(),
-                 cls_only=False):
+                 cls_only=False, cls_positions=None):
         return BertLayerCollection(self.config, self.dtype, self.param_dtype, self.remat,
                                    name="layer")(h, mask_bias, deterministic, attention_layers,
-                                                 cls_only)
+                                                 cls_only, cls_positions)
 
 
 class BertPooler(_BertModule):
-    """tanh(dense([CLS])) -> [B, D]."""
+    """tanh(dense(x)): x the [CLS] rows, [B, D] (or [B, S, D] for packed rows) -> same shape."""
 
     @nn.compact
-    def __call__(self, h):
-        return jnp.tanh(self._dense(self.config.hidden_size, "dense")(h[:, 0]))
+    def __call__(self, x):
+        return jnp.tanh(self._dense(self.config.hidden_size, "dense")(x))
 
 
 def _default_inputs(input_ids, attention_mask, token_type_ids):
@@ -437,6 +457,10 @@ class BertModel(_BertModule):
     `cls_only`: the last layer computes its [CLS] row only (its output is [B, 1, D]), for a
     caller that reads the pooled output, logits or [CLS] vectors and nothing else per token:
     the same values for those, for ~5/6 less of the last layer's work.
+
+    Packed rows (several examples per row, `jax_tinybert.packing`): attention_mask [B, T, T]
+    (query x key, 1 = may attend), position_ids restarting at each segment, and cls_positions
+    int [B, S], each segment's [CLS] row: pooled and logits come per segment ([B, S, ...]).
     """
 
     add_pooling_layer: bool = True
@@ -445,15 +469,17 @@ class BertModel(_BertModule):
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                  deterministic: bool = True, attention_logits: LayerSelection = True,
-                 cls_only: bool = False):
+                 cls_only: bool = False, cls_positions=None):
         attention_mask, token_type_ids = _default_inputs(input_ids, attention_mask, token_type_ids)
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
         h = BertEmbeddings(self.config, self.dtype, self.param_dtype, name="embeddings")(
             input_ids, token_type_ids, position_ids, deterministic)
         # Same additive mask value as HF Flax (finfo.min); logits are returned before it.
-        mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0,
-                              jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        # [B, T] keys -> [B, 1, 1, T]; [B, T, T] query x key (packed rows) -> [B, 1, T, T].
+        mask = attention_mask[:, None] if attention_mask.ndim == 3 else \
+            attention_mask[:, None, None, :]
+        mask_bias = jnp.where(mask > 0, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
         n = self.config.num_hidden_layers
         sel = _selected_layers(attention_logits, n)
         if cls_only and n in sel:
@@ -461,10 +487,16 @@ class BertModel(_BertModule):
                              f"[T, T] attention logits: ask for layers 1..{n - 1} only "
                              "(attention_logits=False or a list), or drop cls_only")
         hidden, logits = BertEncoder(self.config, self.dtype, self.param_dtype, self.remat,
-                                     name="encoder")(h, mask_bias, deterministic, sel, cls_only)
+                                     name="encoder")(h, mask_bias, deterministic, sel, cls_only,
+                                                     cls_positions)
         pooled = None
         if self.add_pooling_layer:
-            pooled = BertPooler(self.config, self.dtype, self.param_dtype, name="pooler")(hidden[-1])
+            last = hidden[-1]
+            if cls_positions is None:
+                rows = last[:, 0]
+            else:   # a cls_only last layer computed the [CLS] rows alone
+                rows = last if cls_only else query_rows(last, cls_positions)
+            pooled = BertPooler(self.config, self.dtype, self.param_dtype, name="pooler")(rows)
         return BertOutput(hidden_states=hidden, attention_logits=logits, pooled=pooled)
 
 
@@ -481,10 +513,10 @@ class BertForSequenceClassification(_BertModule):
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                  deterministic: bool = True, attention_logits: LayerSelection = True,
-                 cls_only: bool = False):
+                 cls_only: bool = False, cls_positions=None):
         out = BertModel(self.config, self.dtype, self.param_dtype, True, self.remat, name="bert")(
             input_ids, attention_mask, token_type_ids, position_ids, deterministic,
-            attention_logits, cls_only)
+            attention_logits, cls_only, cls_positions)
         x = out.pooled
         if self.head_relu:
             x = jax.nn.relu(x)
