@@ -141,3 +141,27 @@ def test_packing_plan_chooses_by_cost():
     long_pairs = np.random.default_rng(0).integers(65, 120, size=200)
     assert tc.packing_plan(long_pairs, (64, 128)) is None   # ~1 example per row of 128
     assert tc.packing_plan(np.array([70]), (16, 64)) is None   # longer than every bucket
+
+
+def test_cache_built_from_packed_rows_equals_live_forward(tmp_path):
+    """A cache written from packed batches (`tc.build`, as `build_for_training` runs it): every
+    example's stored logits and [CLS] vectors are those of the unpacked forward on its own."""
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, num_labels=2)
+    model = BertForSequenceClassification(cfg)
+    params = init_params(model, jax.random.PRNGKey(1))
+    lens = np.random.default_rng(6).integers(3, 12, size=45)
+    ds = _random_ds(lens, seed=7)
+    plan = tc.packing_plan(lens, (16, 32))
+    assert plan is not None
+    cache = tc.build(str(tmp_path / "c"), {"t": 1}, tc.make_forward(
+        model, cls_layers=(0, 2), packed_segments=plan[1]), params,
+        tc._packed_row_batches(ds, None, plan, 8), len(lens))
+    got = cache.lookup(np.arange(len(lens)))
+    live = tc.make_forward(model, cls_layers=(0, 2))
+    for i in range(len(lens)):
+        a, e = ds.offsets[i], ds.offsets[i + 1]
+        x = ds.input_ids[a:e][None]
+        want = live(params, x, np.ones_like(x), np.zeros_like(x))
+        np.testing.assert_allclose(got["teacher_logits"][i], want["teacher_logits"][0], atol=1e-5)
+        np.testing.assert_allclose(got["teacher_cls"][i], want["teacher_cls"][0], atol=1e-5)
