@@ -23,6 +23,13 @@ def _random_ds(lengths, vocab=100, seed=0, pairs=False):
     return EncodedDataset(ids, tt, offs, None, 0)
 
 
+def _tiny_classifier(num_labels, seed):
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, num_labels=num_labels)
+    model = BertForSequenceClassification(cfg)
+    return model, init_params(model, jax.random.PRNGKey(seed))
+
+
 def test_pack_places_every_example_once_within_limits():
     lens = np.random.default_rng(1).integers(1, 40, size=500)
     rows = packing.pack(lens, 64, 5)
@@ -109,10 +116,7 @@ def test_packed_teacher_pass_matches_pytorch_per_example(teacher_dir, cls_only):
 def test_packed_pass_equals_bucketed_pass_over_a_subset():
     """`build_for_training`'s two ways of forwarding rows of a dataset (packed rows, buckets)
     give each example's logits and [CLS] vectors at the same place."""
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, num_labels=3)
-    model = BertForSequenceClassification(cfg)
-    params = init_params(model, jax.random.PRNGKey(0))
+    model, params = _tiny_classifier(num_labels=3, seed=0)
     lens = np.random.default_rng(2).integers(3, 14, size=60)
     ds = _random_ds(lens, seed=4)
     rows = np.sort(np.random.default_rng(5).choice(60, size=41, replace=False))
@@ -146,10 +150,7 @@ def test_packing_plan_chooses_by_cost():
 def test_cache_built_from_packed_rows_equals_live_forward(tmp_path):
     """A cache written from packed batches (`tc.build`, as `build_for_training` runs it): every
     example's stored logits and [CLS] vectors are those of the unpacked forward on its own."""
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, num_labels=2)
-    model = BertForSequenceClassification(cfg)
-    params = init_params(model, jax.random.PRNGKey(1))
+    model, params = _tiny_classifier(num_labels=2, seed=1)
     lens = np.random.default_rng(6).integers(3, 12, size=45)
     ds = _random_ds(lens, seed=7)
     plan = tc.packing_plan(lens, (16, 32))
