@@ -587,15 +587,14 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     # A forward of one output per example packs short examples several to a row.
     lengths = np.asarray(ds.lengths) if rows is None else np.asarray(ds.lengths)[rows]
     plan = packing_plan(lengths, buckets) if _reads_cls_only(obj, token_dtype) else None
-    if plan is not None:
+
+    def batches():   # asked for only when the cache is built here
+        if plan is None:
+            return _row_batches(ds, rows, buckets, batch_size)
         log.info("teacher cache: %d examples packed into %d rows of %d tokens (up to %d per "
                  "row): %.0f%% of the tokens of padding each to its bucket", len(lengths),
                  len(plan[2]), plan[0], plan[1],
                  100.0 * len(plan[2]) * plan[0] / max(1, packing.padded_tokens(lengths, buckets)))
-
-    def batches():
-        if plan is None:
-            return _row_batches(ds, rows, buckets, batch_size)
         return _packed_row_batches(ds, rows, plan, batch_size)
 
     forward = _training_forward(models, obj, token_dtype,
