@@ -260,3 +260,19 @@ def test_xla_cpu_settings_rejects_unknown_setting(capsys):
         xs.main(["--settings", "default,eigne"])
     assert e.value.code == 2
     assert "unknown eigne" in capsys.readouterr().err
+
+
+def test_teacher_pass_smoke(tmp_path, glue_dir):
+    """benchmarks/teacher_pass.py end to end on 300 SST-2 sentences: the packed pass forwards
+    fewer tokens in one shape and gives the bucketed pass's logits."""
+    out = tmp_path / "tp.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "teacher_pass.py"), "--task", "sst2",
+                           "--glue_dir", str(glue_dir), "--train_subset", "300", "--rounds", "1",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["num_examples"] == 300 and res["packed_tokens"] < res["bucketed_tokens"]
+    assert res["compiled_shapes"]["packed"] == 1 < res["compiled_shapes"]["bucketed"]
+    assert res["max_abs_logit_diff"] < 1e-4
+    assert "round 1 packed" in proc.stdout
