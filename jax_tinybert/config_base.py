@@ -47,7 +47,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.teacher = ml_collections.ConfigDict(dict(
         path=PACKAGED_TEACHER,   # HF folder / hub name / "packaged"; a fine-tuned one for task stages
-        dtype="float32",         # "bfloat16": faster teacher forward on accelerators
+        # "bfloat16": bf16 compute. Not faster so far: on an H100/H200 (XLA's fast-compile
+        # flags) bf16 steps ran 3.3-4.3x slower than float32's TF32 dots (RESULTS.md).
+        dtype="float32",
         dropout=False,           # True reproduces the official code (teacher left in train mode)
         cache=True,              # pred/kd/pkd stages: precompute teacher outputs once
         # Intermediate stage: cache the teacher's attention logits + hidden states (large):
