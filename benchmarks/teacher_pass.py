@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 from cpu_info import cpuinfo  # noqa: E402
 from jax_tinybert import objectives, teacher_cache as tc  # noqa: E402
-from jax_tinybert.data import batching, packing, tokenize  # noqa: E402
+from jax_tinybert.data import batching, tokenize  # noqa: E402
 from jax_tinybert.hf import load_pretrained  # noqa: E402
 from jax_tinybert.modeling import BertForSequenceClassification  # noqa: E402
 
@@ -89,7 +89,7 @@ def main(argv=None):
         raise SystemExit(f"packing_plan: packing {args.task} at buckets {buckets} would not "
                          f"pay (cost > {tc.PACK_GAIN} of the bucketed pass); nothing to compare")
     P, S, packed_rows = plan
-    bucketed_tokens = packing.padded_tokens(lens, buckets)
+    bucketed_tokens = batching.padded_tokens(lens, buckets)
     packed_tokens = len(packed_rows) * P
     fwd_plain = tc.make_forward(model, obj.teacher_features, cls_only=True)
     fwd_packed = tc.make_forward(model, obj.teacher_features, cls_only=True, packed_segments=S)

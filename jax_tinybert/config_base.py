@@ -48,7 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.teacher = ml_collections.ConfigDict(dict(
         path=PACKAGED_TEACHER,   # HF folder / hub name / "packaged"; a fine-tuned one for task stages
         # "bfloat16": bf16 compute. Not faster so far: on an H100/H200 (XLA's fast-compile
-        # flags) bf16 steps ran 3.3-4.3x slower than float32's TF32 dots (RESULTS.md).
+        # flags) bf16 steps ran 1.6-4.7x slower than float32's TF32 dots (RESULTS.md).
         dtype="float32",
         dropout=False,           # True reproduces the official code (teacher left in train mode)
         cache=True,              # pred/kd/pkd stages: precompute teacher outputs once

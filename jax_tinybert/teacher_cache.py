@@ -66,8 +66,8 @@ FORWARD_TOKENS = 1024
 # Examples are packed several to a row (data/packing.py) for a forward that reads one output per
 # example when that forwards at most this share of the bucketed pass's cost (`packing_plan`).
 PACK_GAIN = 0.9
-# A token's cost in a row of T tokens is taken as 1 + T / PACK_ATTENTION_LEN (its attention
-# over the row). Measured on the teacher's forward (MiniLM-L6, SST-2, 2-core Xeon): a token in
+# A row of T tokens costs T + T^2 / PACK_ATTENTION_LEN (batching.bucket_cost: a token's
+# attention over the row). Measured on the teacher's forward (MiniLM-L6, SST-2, 2-core Xeon): a token in
 # a packed row of 64 cost 1.07x one of the bucketed pass (mean bucket ~17), i.e. ~600; the
 # train step's backward and dropout weigh attention more (batching.bucket_cost: 256).
 PACK_ATTENTION_LEN = 512
@@ -585,7 +585,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     path = fs.join(workdir, "cache", name)
 
     # A forward of one output per example packs short examples several to a row.
-    lengths = np.asarray(ds.lengths) if rows is None else np.asarray(ds.lengths)[rows]
+    lengths = np.asarray(ds.lengths)[slice(None) if rows is None else rows]
     plan = packing_plan(lengths, buckets) if _reads_cls_only(obj, token_dtype) else None
 
     def batches():   # asked for only when the cache is built here
@@ -594,7 +594,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         log.info("teacher cache: %d examples packed into %d rows of %d tokens (up to %d per "
                  "row): %.0f%% of the tokens of padding each to its bucket", len(lengths),
                  len(plan[2]), plan[0], plan[1],
-                 100.0 * len(plan[2]) * plan[0] / max(1, packing.padded_tokens(lengths, buckets)))
+                 100.0 * len(plan[2]) * plan[0] / max(1, batching.padded_tokens(lengths, buckets)))
         return _packed_row_batches(ds, rows, plan, batch_size)
 
     forward = _training_forward(models, obj, token_dtype,
@@ -700,14 +700,13 @@ def packing_plan(lengths: np.ndarray, buckets: Sequence[int]
     b = np.asarray(sorted(int(x) for x in buckets), np.int64)
     if not len(lengths) or lengths.max() > b[-1]:
         return None
-    unit = lambda t: t * (1.0 + t / PACK_ATTENTION_LEN)
-    best, cost = None, PACK_GAIN * float(np.sum(unit(b[np.searchsorted(b, lengths)]
-                                                     .astype(np.float64))))
+    best, cost = None, PACK_GAIN * batching.bucket_cost(lengths, b, PACK_ATTENTION_LEN)
     for P in b[b >= lengths.max()].tolist():   # each bucket long enough for every example
         rows = packing.pack(lengths, P, max(1, P // 4))
         S = max(len(r) for r in rows)
-        if S > 1 and len(rows) * unit(float(P)) <= cost:
-            best, cost = (P, S, rows), len(rows) * unit(float(P))
+        packed = batching.bucket_cost(np.full(len(rows), P), (P,), PACK_ATTENTION_LEN)
+        if S > 1 and packed <= cost:
+            best, cost = (P, S, rows), packed
     return best
 
 
@@ -717,9 +716,7 @@ def _packed_row_batches(ds, rows: Optional[np.ndarray], plan, batch_size: int):
     batch_size rows elsewhere; example_id = the row's index in ds."""
     P, S, packed = plan
     src = ds if rows is None else tokenize.take(ds, rows)
-    n = rows_per_forward(P, max(int(batch_size), 8)) if jax.default_backend() == "cpu" else \
-        int(batch_size)
-    for batch in packing.packed_batches(src, packed, P, S, n):
+    for batch in packing.packed_batches(src, packed, P, S, rows_per_forward(P, batch_size)):
         if rows is not None:
             ids = batch["example_id"]
             batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)

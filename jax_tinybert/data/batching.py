@@ -28,6 +28,12 @@ def assign_buckets(lengths: np.ndarray, buckets: Sequence[int]) -> np.ndarray:
     return which
 
 
+def padded_tokens(lengths: np.ndarray, buckets: Sequence[int]) -> int:
+    """Token positions a pass forwards with each example padded to its bucket."""
+    b = np.asarray(sorted(buckets), np.int64)
+    return int(b[assign_buckets(lengths, b)].sum())
+
+
 def padding_waste(lengths: np.ndarray, buckets: Sequence[int] = DEFAULT_BUCKETS,
                   fixed_len: Optional[int] = None) -> Dict[str, float]:
     """Padding waste of bucketing vs one fixed length (default: the largest bucket).
@@ -39,11 +45,11 @@ def padding_waste(lengths: np.ndarray, buckets: Sequence[int] = DEFAULT_BUCKETS,
     lengths = np.asarray(lengths, np.int64)
     b = np.asarray(sorted(buckets))
     fixed_len = int(fixed_len or b[-1])
-    padded = b[assign_buckets(lengths, b)]
+    padded = padded_tokens(lengths, b)
     real = lengths.sum()
-    return {"bucketed": float(1 - real / padded.sum()),
+    return {"bucketed": float(1 - real / padded),
             "fixed": float(1 - real / (fixed_len * len(lengths))),
-            "ratio": float(padded.sum() / (fixed_len * len(lengths)))}
+            "ratio": float(padded / (fixed_len * len(lengths)))}
 
 
 def bucket_cost(lengths: np.ndarray, buckets: Sequence[int], attention_len: int = 256) -> float:

@@ -62,9 +62,9 @@ def packed_batches(ds, rows: Sequence[np.ndarray], row_len: int, max_segments: i
     padding token, no segment). Example ids are ds's row indices."""
     S, P = int(max_segments), int(row_len)
     offs = ds.offsets
-    for b0 in range(0, len(rows), batch_rows):
-        chunk = rows[b0:b0 + batch_rows]
-        R = int(batch_rows)
+    R = int(batch_rows)
+    for b0 in range(0, len(rows), R):
+        chunk = rows[b0:b0 + R]
         ids = np.full((R, P), ds.pad_id, np.int32)
         tt = np.zeros((R, P), np.int32)
         seg = np.zeros((R, P), np.int32)
@@ -99,8 +99,3 @@ def model_inputs(segments, max_segments: int):
     mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
     return mask.astype(jnp.int32), pos, cls
 
-
-def padded_tokens(lengths: np.ndarray, buckets: Sequence[int]) -> int:
-    """Tokens a bucketed (unpacked) pass over examples of `lengths` forwards (for logs)."""
-    b = np.asarray(sorted(buckets))
-    return int(b[np.searchsorted(b, np.asarray(lengths))].sum())
