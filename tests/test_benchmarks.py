@@ -276,3 +276,27 @@ def test_teacher_pass_smoke(tmp_path, glue_dir):
     assert res["compiled_shapes"]["packed"] == 1 < res["compiled_shapes"]["bucketed"]
     assert res["max_abs_logit_diff"] < 1e-4
     assert "round 1 packed" in proc.stdout
+
+
+def test_step_profile_smoke(tmp_path, glue_dir):
+    """benchmarks/step_profile.py end to end on the CLI's intermediate stage (the packaged teacher,
+    200 SST-2 sentences, one bucket, the update as its own program): per-program times that add
+    up to the step, and a profile with dot thunks."""
+    out = tmp_path / "prof.json"
+    env = dict(os.environ, JTB_TEACHER_STORE="off", JTB_TOKEN_STORE="off",
+               JTB_COMPILE_CACHE="off")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "step_profile.py"), "--config=configs/task_distill.py:sst2_intermediate",
+         f"--workdir={tmp_path / 'run'}", "--config.teacher.path=packaged",
+         f"--config.data.glue_dir={glue_dir}", "--config.student.init=random",
+         "--config.data.train_subset=200", "--config.data.eval_subset=32",
+         "--config.data.buckets=(32,)", "--config.train.split_update=always", "--steps=4", "--profile_steps=2", f"--json={out}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["steps_per_bucket"] == {"32": 4}
+    ms = res["median_ms"]["32"]
+    assert ms["gradient"] > 0 and ms["update"] > 0
+    assert abs(ms["gradient"] + ms["update"] - ms["step"]) < 0.2 * ms["step"]
+    assert res["kinds"]["dot fusion (YNNPACK/oneDNN)"] > 0 and res["thunk_s"] > 0
+    assert "| 32 | 4 |" in proc.stdout
