@@ -12,6 +12,11 @@ writes; JTB_PROGRESS=0 turns it off.
     p.rate        # units per second over the whole phase (e.g. for metrics.jsonl)
 
 Lines look like `[teacher cache] 12,288/67,349 ex (18%) 2,046 ex/s, ETA 27s`.
+
+A phase whose units cost unequal time (a teacher pass that forwards its longest examples first,
+a few to a row, then many short ones) passes `work_total` and each update's `work`: the
+percentage and the ETA then follow the work done, while the count and rate stay in units:
+`[teacher cache] 1,681/67,349 ex, 9% of the work, 167 ex/s, ETA 1m31s`.
 """
 from __future__ import annotations
 
@@ -57,13 +62,18 @@ class Progress:
 
     total: units expected (None: unknown, no ETA). unit: "ex", "batch", "B" (bytes, shown as
     kB/MB/...). enabled: default process 0 and JTB_PROGRESS != "0". stream: default stderr.
+    work_total: the phase's work in any unit (None: each unit is equal work); `update`'s `work`
+    adds to it, and the percentage and ETA follow it.
     """
 
     def __init__(self, desc: str, total: Optional[float] = None, unit: str = "ex", *,
                  enabled: Optional[bool] = None, stream: Optional[TextIO] = None,
-                 every_s: Optional[float] = None, bar: Optional[bool] = None):
+                 every_s: Optional[float] = None, bar: Optional[bool] = None,
+                 work_total: Optional[float] = None):
         self.desc, self.total, self.unit = desc, total, unit
+        self.work_total = work_total if work_total and work_total > 0 else None
         self.n = 0
+        self.work = 0.0
         self.t0 = time.perf_counter()
         self.t_end: Optional[float] = None
         if enabled is None:
@@ -77,12 +87,19 @@ class Progress:
         if enabled and (bar if bar is not None else _isatty(self.stream)):
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream,
-                             unit_scale=unit == "B", dynamic_ncols=True, mininterval=0.5)
+            if self.work_total:   # the bar (and tqdm's ETA) follows the work; units as postfix
+                self._bar = tqdm(total=self.work_total, desc=desc, file=self.stream,
+                                 dynamic_ncols=True, mininterval=0.5,
+                                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix} "
+                                            "[{elapsed}<{remaining}]")
+            else:
+                self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream,
+                                 unit_scale=unit == "B", dynamic_ncols=True, mininterval=0.5)
 
     # -- counting ---------------------------------------------------------------------------
-    def update(self, n: float = 1) -> None:
-        """Adds n units."""
+    def update(self, n: float = 1, work: float = 0.0) -> None:
+        """Adds n units (and `work` to the work done, with `work_total`)."""
+        self.work += work
         self.set(self.n + n)
 
     def set(self, n: float) -> None:
@@ -91,7 +108,11 @@ class Progress:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.update(delta)
+            if self.work_total:
+                self._bar.set_postfix_str(self._counts(), refresh=False)
+                self._bar.update(min(self.work, self.work_total) - self._bar.n)
+            else:
+                self._bar.update(delta)
             return
         now = time.perf_counter()
         if now >= self._next:
@@ -139,9 +160,21 @@ class Progress:
         s = _fmt_num(x, self.unit)
         return s if self.unit == "B" else f"{s} {self.unit}"
 
+    def _counts(self) -> str:
+        """"1,681/67,349 ex" ("1,681 ex" without a total)."""
+        if not self.total:
+            return self._q(self.n)
+        return f"{_fmt_num(self.n, self.unit)}/{self._q(self.total)}"
+
     def _status(self, now: float) -> str:
         dt = now - self.t0
         rate = self.n / dt if dt > 0 else 0.0
+        if self.work_total:
+            done = min(1.0, self.work / self.work_total)
+            s = f"{self._counts()}, {100 * done:.0f}% of the work, {self._q(rate)}/s"
+            if done > 0:
+                s += f", ETA {_fmt_time(dt * (1.0 - done) / done)}"
+            return s
         if not self.total:
             s = self._q(self.n)
         elif self.unit == "B":

@@ -343,7 +343,7 @@ def per_segment(out, cls_positions, cls_only: bool):
 def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
           batches: Iterable[Mapping[str, np.ndarray]], num_examples: int,
           num_rows: Optional[int] = None, token_fields: Sequence[str] = (),
-          token_dtype: str = "float32") -> TeacherCache:
+          token_dtype: str = "float32", work_total: Optional[float] = None) -> TeacherCache:
     """Run `forward(params, ids, mask, types)` over `batches` and write the cache at `path`.
 
     batches: batch dicts (docs/design.md, "Batches") with `example_id` in [0, num_examples); rows with
@@ -352,7 +352,8 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     fewer than that is warned about. token_fields: fields of shape [b, ..., T, ...] (per-token
     outputs), stored ragged at each row's own length in `token_dtype`; the others are stored
     float32 [num_examples, ...]. Any existing folder at `path` is replaced only once the new one
-    is complete.
+    is complete. work_total: the batches' `forward_work` summed (`pass_work`), for a progress
+    percentage and ETA that follow the work rather than the examples (None: the examples).
     """
     expected = int(num_examples if num_rows is None else num_rows)
     path = fs.abspath(path)
@@ -361,13 +362,13 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     params = jax.device_put(params)
     fs.clean_stale_temps(path)
     tmp = fs.staging_dir(path)   # local files (memmaps) either way; uploaded by publish_dir
-    prog = Progress("teacher cache", total=expected, unit="ex")
+    prog = Progress("teacher cache", total=expected, unit="ex", work_total=work_total)
     try:
         files: Dict[str, np.ndarray] = {}
         filled = np.zeros((num_examples,), bool)
         tokens = _TokenWriter(tmp, token_fields, token_dtype, num_examples)
 
-        def write(feats, ids, keep, T):
+        def write(feats, ids, keep, T, work):
             feats = tokens.write(feats, ids[keep], keep, T)
             for k, v in feats.items():
                 v = np.asarray(v, np.float32)
@@ -377,7 +378,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                         shape=(num_examples,) + v.shape[1:])
                 files[k][ids[keep]] = v[keep]
             filled[ids[keep]] = True
-            prog.update(int(keep.sum()))
+            prog.update(int(keep.sum()), work=work)
 
         def rows():
             for batch in batches:
@@ -390,12 +391,13 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                 if np.any(ids[keep] >= num_examples):
                     raise IndexError(f"teacher cache: example_id {int(ids[keep].max())} >= "
                                      f"num_examples {num_examples}")
-                yield batch, (ids, keep, np.asarray(batch["input_ids"]).shape[1])
+                R, T = np.asarray(batch["input_ids"]).shape
+                yield batch, (ids, keep, T, forward_work(keep, R, T))
 
         # The host copies out and writes one batch while the next forwards run (the copy-out
         # was 11 s of 46 s of an MRPC intermediate build).
-        for (ids, keep, T), feats in forwarded(forward, params, rows()):
-            write(feats, ids, keep, T)
+        for (ids, keep, T, work), feats in forwarded(forward, params, rows()):
+            write(feats, ids, keep, T, work)
         prog.close()
         if not files and not tokens.written:
             raise ValueError(f"teacher cache {path}: the batches held no valid rows")
@@ -491,10 +493,27 @@ def _file_info(p: str) -> dict:
             "crc32": _crc32(p)}
 
 
+def forward_work(keep: np.ndarray, num_rows: int, row_len: int) -> float:
+    """The work of forwarding a batch of `num_rows` rows of `row_len` tokens, counting the rows
+    that hold a kept example (keep: bool [num_rows * S], S examples a row; 1 unpacked):
+    rows x (T + T^2 / PACK_ATTENTION_LEN), the cost `packing_plan` weighs."""
+    rows = np.asarray(keep).reshape(num_rows, -1).any(axis=1).sum()
+    return float(rows) * (row_len + row_len * row_len / PACK_ATTENTION_LEN)
+
+
+def pass_work(lengths: np.ndarray, buckets: Sequence[int], plan=None) -> float:
+    """The `forward_work` of a whole pass over examples of `lengths`: in their buckets, or in
+    the packed rows of `plan` (`packing_plan`'s (row_len, S, rows))."""
+    if plan is None:
+        return batching.bucket_cost(lengths, buckets, PACK_ATTENTION_LEN)
+    return batching.bucket_cost(np.full(len(plan[2]), plan[0]), (plan[0],), PACK_ATTENTION_LEN)
+
+
 def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                   batches: Union[Iterable, Callable[[], Iterable]], num_examples: int,
                   verify: bool = True, num_rows: Optional[int] = None,
-                  token_fields: Sequence[str] = (), token_dtype: str = "float32") -> TeacherCache:
+                  token_fields: Sequence[str] = (), token_dtype: str = "float32",
+                  work_total: Optional[float] = None) -> TeacherCache:
     """The cache at `path` if it was built from the same `fingerprint`, else (re)build it.
 
     fingerprint: what the outputs depend on, e.g. {"teacher": params_fingerprint(p),
@@ -519,7 +538,7 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
                 log.warning("teacher cache %s is unusable, rebuilding it: %s", path, e)
     it = batches() if callable(batches) else batches
     return build(path, fingerprint, forward, params, it, num_examples, num_rows=num_rows,
-                 token_fields=token_fields, token_dtype=token_dtype)
+                 token_fields=token_fields, token_dtype=token_dtype, work_total=work_total)
 
 
 # ----------------------------------------------------------------------------- trainer glue
@@ -626,7 +645,8 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
             return cache
     cache = build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
                           num_rows=None if rows is None else len(rows),
-                          token_fields=token_fields, token_dtype=token_dtype or "float32")
+                          token_fields=token_fields, token_dtype=token_dtype or "float32",
+                          work_total=pass_work(lengths, buckets, plan))
     if store is not None and cache.build_stats is not None:
         store.publish(cache, share_fp, fields=["teacher_logits"] if token_fields else None)
     cache.fields = _step_fields(cache.fields, token_dtype)
@@ -700,11 +720,11 @@ def packing_plan(lengths: np.ndarray, buckets: Sequence[int]
     b = np.asarray(sorted(int(x) for x in buckets), np.int64)
     if not len(lengths) or lengths.max() > b[-1]:
         return None
-    best, cost = None, PACK_GAIN * batching.bucket_cost(lengths, b, PACK_ATTENTION_LEN)
+    best, cost = None, PACK_GAIN * pass_work(lengths, b)
     for P in b[b >= lengths.max()].tolist():   # each bucket long enough for every example
         rows = packing.pack(lengths, P, max(1, P // 4))
         S = max(len(r) for r in rows)
-        packed = batching.bucket_cost(np.full(len(rows), P), (P,), PACK_ATTENTION_LEN)
+        packed = pass_work(lengths, b, (P, S, rows))
         if S > 1 and packed <= cost:
             best, cost = (P, S, rows), packed
     return best

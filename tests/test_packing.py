@@ -166,3 +166,33 @@ def test_cache_built_from_packed_rows_equals_live_forward(tmp_path):
         want = live(params, x, np.ones_like(x), np.zeros_like(x))
         np.testing.assert_allclose(got["teacher_logits"][i], want["teacher_logits"][0], atol=1e-5)
         np.testing.assert_allclose(got["teacher_cls"][i], want["teacher_cls"][0], atol=1e-5)
+
+
+def test_a_passes_work_is_what_its_batches_add_up_to():
+    """The teacher pass's progress: the work of the batches `build_for_training` forwards (packed
+    rows, or buckets over a subset with filler rows) adds up to `pass_work` exactly, so the
+    percentage ends at 100%; and per batch it is rows x (T + T^2 / 512), written out by hand."""
+    lens = np.random.default_rng(8).integers(3, 30, size=300)
+    ds = _random_ds(lens, seed=9)
+    rows = np.sort(np.random.default_rng(10).choice(300, size=217, replace=False))
+    buckets = (16, 32)
+    plan = tc.packing_plan(lens[rows], buckets)
+    assert plan is not None
+    for batches, total in ((tc._packed_row_batches(ds, rows, plan, 8),
+                            tc.pass_work(lens[rows], buckets, plan)),
+                           (tc._row_batches(ds, rows, buckets, 8),
+                            tc.pass_work(lens[rows], buckets))):
+        done = 0.0
+        for b in batches:
+            R, T = b["input_ids"].shape
+            keep = b["example_id"] >= 0
+            w = tc.forward_work(keep, R, T)
+            by_hand = sum(1 for r in keep.reshape(R, -1) if r.any()) * (T + T * T / 512.0)
+            assert w == pytest.approx(by_hand)
+            done += w
+        assert done == pytest.approx(total, rel=1e-12)
+    assert tc.pass_work(lens[rows], buckets, plan) == pytest.approx(
+        len(plan[2]) * (plan[0] + plan[0] ** 2 / 512.0))
+    in_buckets = [16 if n <= 16 else 32 for n in lens[rows]]
+    assert tc.pass_work(lens[rows], buckets) == pytest.approx(
+        sum(t + t * t / 512.0 for t in in_buckets))

@@ -122,3 +122,34 @@ def test_teacher_cache_build_reports_progress_and_rate(tmp_path, monkeypatch, ca
     assert "[teacher cache] 5/10 ex (50%)" in err and "[teacher cache] 10/10 ex (100%)" in err, err
     assert cache.build_stats["examples_per_s"] > 0 and cache.build_stats["seconds"] >= 0
     np.testing.assert_array_equal(cache.lookup([7])["teacher_logits"], [[10.0, 10.0]])  # batch 5..9: ids 5 x 2
+
+
+def test_percentage_and_eta_follow_the_work(monkeypatch):
+    """Units of unequal work (a packed teacher pass forwards its long examples first): after 10
+    of 100 examples that were 50% of the work in 4 s, the line says 50% and ETA 4s (by hand), not
+    the 36 s that the examples' rate would give."""
+    t = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: t[0])
+    out = io.StringIO()
+    p = progress.Progress("teacher cache", total=100, unit="ex", stream=out, every_s=0,
+                          enabled=True, bar=False, work_total=200.0)
+    t[0] = 4.0
+    p.update(10, work=100.0)
+    assert out.getvalue().splitlines()[-1] == \
+        "[teacher cache] 10/100 ex, 50% of the work, 2.5 ex/s, ETA 4s", out.getvalue()
+    t[0] = 6.0
+    p.update(90, work=100.0)
+    assert out.getvalue().splitlines()[-1] == \
+        "[teacher cache] 100/100 ex, 100% of the work, 17 ex/s, ETA 0s", out.getvalue()
+    p.close()
+    assert out.getvalue().splitlines()[-1] == "[teacher cache] 100 ex in 6s (17 ex/s)"
+
+
+def test_a_bar_with_work_shows_the_work_and_the_counts():
+    out = io.StringIO()
+    with progress.Progress("teacher cache", total=10, unit="ex", stream=out, enabled=True,
+                           bar=True, work_total=40.0) as p:
+        p.update(2, work=30.0)
+        assert p._bar.n == 30.0 and p._bar.total == 40.0
+        p.update(8, work=10.0)
+    assert "100%" in out.getvalue() and "10/10 ex" in out.getvalue(), out.getvalue()
