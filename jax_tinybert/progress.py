@@ -39,7 +39,8 @@ def _is_main_process() -> bool:
     return os.environ.get("JTB_PROCESS_ID", "0") in ("", "0")
 
 
-def _fmt_time(s: float) -> str:
+def fmt_time(s: float) -> str:
+    """Seconds as "42s", "3m05s" or "1h02m"."""
     s = int(round(s))
     if s < 60:
         return f"{s}s"
@@ -144,9 +145,9 @@ class Progress:
             bare = self.total and self.unit != "B"
             n = _fmt_num(self.n, self.unit) if bare else self._q(self.n)
             of = f" of {self._q(self.total)}" if self.total else ""
-            self._line(f"stopped after {n}{of} in {_fmt_time(self.elapsed)}")
+            self._line(f"stopped after {n}{of} in {fmt_time(self.elapsed)}")
         elif self.elapsed >= 1.0:
-            self._line(f"{self._q(self.n)} in {_fmt_time(self.elapsed)} ({self._q(self.rate)}/s)")
+            self._line(f"{self._q(self.n)} in {fmt_time(self.elapsed)} ({self._q(self.rate)}/s)")
 
     def __enter__(self) -> "Progress":
         return self
@@ -173,7 +174,7 @@ class Progress:
             done = min(1.0, self.work / self.work_total)
             s = f"{self._counts()}, {100 * done:.0f}% of the work, {self._q(rate)}/s"
             if done > 0:
-                s += f", ETA {_fmt_time(dt * (1.0 - done) / done)}"
+                s += f", ETA {fmt_time(dt * (1.0 - done) / done)}"
             return s
         if not self.total:
             s = self._q(self.n)
@@ -184,7 +185,7 @@ class Progress:
                  f"({100 * self.n / self.total:.0f}%)")
         s += f" {self._q(rate)}/s"
         if self.total and rate > 0:
-            s += f", ETA {_fmt_time(max(0.0, self.total - self.n) / rate)}"
+            s += f", ETA {fmt_time(max(0.0, self.total - self.n) / rate)}"
         return s
 
     def _line(self, text: str) -> None:

@@ -36,7 +36,7 @@ from jax_tinybert.fs import write_json_atomic
 from jax_tinybert.metrics_writer import MetricsWriter
 from jax_tinybert.modeling import count_params
 from jax_tinybert.preemption import Preempted, Preemption  # noqa: F401 (main.py: train.Preempted)
-from jax_tinybert.progress import Progress
+from jax_tinybert.progress import Progress, fmt_time
 
 logger = logging.getLogger(__name__)
 
@@ -186,13 +186,14 @@ def _announce(run: build.Run) -> None:
 
 class _TrainLog:
     """Train metrics every config.train.log_every steps (and at the first and last step):
-    to metrics.jsonl and stdout, with examples/s and tokens/s since the previous record.
-    Non-finite metrics stop the run."""
+    to metrics.jsonl and stdout, with examples/s and tokens/s since the previous record, and
+    the steps' ETA. Non-finite metrics stop the run."""
 
     def __init__(self, run: build.Run, writer: MetricsWriter, start_step: int):
         self.run, self.writer, self.start_step = run, writer, start_step
         self.t_last, self.examples, self.tokens = time.time(), 0, 0
         self.last: Dict[str, float] = {}
+        self.eta = _StepEta(run.total_steps)
 
     def step(self, step: int, batch, metrics) -> None:
         tc, total = self.run.config.train, self.run.total_steps
@@ -202,6 +203,7 @@ class _TrainLog:
         if not (record or step == self.start_step + 1):
             return
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        eta = self.eta.at(step, time.time())
         dt = time.time() - self.t_last
         m["examples_per_s"] = self.examples / dt
         m["tokens_per_s"] = self.tokens / dt
@@ -216,7 +218,28 @@ class _TrainLog:
             terms = " ".join(f"{k}={v:.4g}" for k, v in m.items()
                              if k not in ("examples_per_s", "tokens_per_s", "lr", "grad_norm"))
             print(f"step {step:>6}/{total} [{100 * step / total:5.1f}%] {terms} "
-                  f"lr={m['lr']:.2e} {m['examples_per_s']:.1f} ex/s", flush=True)
+                  f"lr={m['lr']:.2e} {m['examples_per_s']:.1f} ex/s"
+                  + (f", ETA {fmt_time(eta)}" if eta is not None and step < total else ""),
+                  flush=True)
+
+
+class _StepEta:
+    """Seconds left for the steps: the mean step time since the first step this process ran,
+    which paid for its compilation and is left out (the other buckets' programs compile ahead;
+    batches of every length come in random order, so the mean is the epoch's)."""
+
+    def __init__(self, total_steps: int):
+        self.total = total_steps
+        self.ref: Optional[tuple] = None   # (step, time) when the first step was read
+
+    def at(self, step: int, now: float) -> Optional[float]:
+        if self.ref is None:
+            self.ref = (step, now)
+            return None
+        s0, t0 = self.ref
+        if step <= s0 or now <= t0:
+            return None
+        return (now - t0) / (step - s0) * max(0, self.total - step)
 
 
 def _record_eval(step: int, ev: Dict[str, float], best: Optional[dict], improved: bool,
