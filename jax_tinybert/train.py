@@ -224,19 +224,24 @@ class _TrainLog:
 
 
 class _StepEta:
-    """Seconds left for the steps: the mean step time since the first step this process ran,
-    which paid for its compilation and is left out (the other buckets' programs compile ahead;
-    batches of every length come in random order, so the mean is the epoch's)."""
+    """Seconds left for the steps, from the mean step time over the last few logged intervals
+    (up to WINDOW). The interval that starts at the first step this process ran is left out once
+    a later one exists: that step paid for its compilation, and the steps after it share the
+    cores with the other buckets' programs compiling ahead (after a README run's resume, an ETA
+    from the first step on read 54 min where the lines after read 21)."""
+
+    WINDOW = 5
 
     def __init__(self, total_steps: int):
         self.total = total_steps
-        self.ref: Optional[tuple] = None   # (step, time) when the first step was read
+        self.points: list = []   # (step, time) of each logged step
 
     def at(self, step: int, now: float) -> Optional[float]:
-        if self.ref is None:
-            self.ref = (step, now)
+        self.points.append((step, now))
+        if len(self.points) < 2:
             return None
-        s0, t0 = self.ref
+        first = 0 if len(self.points) == 2 else max(1, len(self.points) - 1 - self.WINDOW)
+        s0, t0 = self.points[first]
         if step <= s0 or now <= t0:
             return None
         return (now - t0) / (step - s0) * max(0, self.total - step)

@@ -266,10 +266,12 @@ def test_eval_warns_when_every_dev_example_gets_one_class(collapsed, capsys):
 
 
 def test_step_lines_carry_the_steps_eta(monkeypatch, capsys):
-    """The logged step lines end with the steps' ETA: the mean step time since the first step
-    (which paid for its compilation: left out) times the steps left, by hand: step 1 at t = 30 s
-    (after a 29 s compile), 2 s a step after it; at step 20, 38 s for 19 steps -> 2 s x 80 left =
-    2m40s. No ETA on the first line (no rate yet) nor on the last."""
+    """The logged step lines end with the steps' ETA: the mean step time over the last logged
+    intervals times the steps left, by hand. Step 1 at t = 30 s (after its compilation), steps
+    2-20 at 4 s (the other buckets compiling beside them), then 2 s a step, 100 steps, a line
+    every 20: at step 20 only the slow interval is known: 76 s / 19 steps x 80 left = 5m20s; at
+    step 40 the interval 20-40 alone: 2 s x 60 = 2m00s; at 80, 2 s x 20 = 40s. No ETA on the first
+    line (no rate yet) nor on the last."""
     from types import SimpleNamespace
 
     t = [0.0]
@@ -281,9 +283,21 @@ def test_step_lines_carry_the_steps_eta(monkeypatch, capsys):
     batch = {"attention_mask": np.ones((4, 8), np.int32)}
     metrics = {"loss": np.float32(0.5), "lr": np.float32(1e-4), "grad_norm": np.float32(1.0)}
     for step in range(1, 101):
-        t[0] = 30.0 + 2.0 * (step - 1)
+        t[0] = 30.0 + 4.0 * (min(step, 20) - 1) + 2.0 * max(0, step - 20)
         log.step(step, batch, metrics)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
     assert len(lines) == 6 and "ETA" not in lines[0] and "ETA" not in lines[-1], lines
-    assert lines[1].startswith("step     20/100") and lines[1].endswith(", ETA 2m40s"), lines
+    assert lines[1].startswith("step     20/100") and lines[1].endswith(", ETA 5m20s"), lines
     assert lines[2].endswith(", ETA 2m00s") and lines[4].endswith(", ETA 40s"), lines
+
+
+def test_step_eta_reads_the_last_intervals():
+    """Past the first intervals the ETA follows the last WINDOW intervals only: a run that
+    slows from 1 s to 3 s a step reads 3 s a step once the window holds only slow steps."""
+    eta = train._StepEta(total_steps=1000)
+    t = 0.0
+    assert eta.at(1, t) is None
+    for step in range(10, 210, 10):
+        t += 10.0 * (1.0 if step <= 100 else 3.0)
+        got = eta.at(step, t)
+    assert got == pytest.approx(3.0 * (1000 - 200))
