@@ -162,10 +162,11 @@ class Progress:
         return s if self.unit == "B" else f"{s} {self.unit}"
 
     def _counts(self) -> str:
-        """"1,681/67,349 ex" ("1,681 ex" without a total)."""
+        """"1,681/67,349 ex", "1.0 MB/20.0 MB" ("1,681 ex" without a total)."""
         if not self.total:
             return self._q(self.n)
-        return f"{_fmt_num(self.n, self.unit)}/{self._q(self.total)}"
+        n = self._q(self.n) if self.unit == "B" else _fmt_num(self.n, self.unit)
+        return f"{n}/{self._q(self.total)}"
 
     def _status(self, now: float) -> str:
         dt = now - self.t0
@@ -176,13 +177,9 @@ class Progress:
             if done > 0:
                 s += f", ETA {fmt_time(dt * (1.0 - done) / done)}"
             return s
-        if not self.total:
-            s = self._q(self.n)
-        elif self.unit == "B":
-            s = f"{self._q(self.n)}/{self._q(self.total)} ({100 * self.n / self.total:.0f}%)"
-        else:
-            s = (f"{_fmt_num(self.n, self.unit)}/{self._q(self.total)} "
-                 f"({100 * self.n / self.total:.0f}%)")
+        s = self._counts()
+        if self.total:
+            s += f" ({100 * self.n / self.total:.0f}%)"
         s += f" {self._q(rate)}/s"
         if self.total and rate > 0:
             s += f", ETA {fmt_time(max(0.0, self.total - self.n) / rate)}"

@@ -498,7 +498,7 @@ def forward_work(keep: np.ndarray, num_rows: int, row_len: int) -> float:
     that hold a kept example (keep: bool [num_rows * S], S examples a row; 1 unpacked):
     rows x (T + T^2 / PACK_ATTENTION_LEN), the cost `packing_plan` weighs."""
     rows = np.asarray(keep).reshape(num_rows, -1).any(axis=1).sum()
-    return float(rows) * (row_len + row_len * row_len / PACK_ATTENTION_LEN)
+    return float(rows * batching.row_cost(row_len, PACK_ATTENTION_LEN))
 
 
 def pass_work(lengths: np.ndarray, buckets: Sequence[int], plan=None) -> float:
@@ -506,7 +506,7 @@ def pass_work(lengths: np.ndarray, buckets: Sequence[int], plan=None) -> float:
     the packed rows of `plan` (`packing_plan`'s (row_len, S, rows))."""
     if plan is None:
         return batching.bucket_cost(lengths, buckets, PACK_ATTENTION_LEN)
-    return batching.bucket_cost(np.full(len(plan[2]), plan[0]), (plan[0],), PACK_ATTENTION_LEN)
+    return float(len(plan[2]) * batching.row_cost(plan[0], PACK_ATTENTION_LEN))
 
 
 def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,

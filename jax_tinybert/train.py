@@ -10,6 +10,7 @@ it into exit code 143 (130 after Ctrl-C), and rerunning the same command resumes
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -203,11 +204,12 @@ class _TrainLog:
         if not (record or step == self.start_step + 1):
             return
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        eta = self.eta.at(step, time.time())
-        dt = time.time() - self.t_last
+        now = time.time()
+        eta = self.eta.at(step, now)
+        dt = now - self.t_last
         m["examples_per_s"] = self.examples / dt
         m["tokens_per_s"] = self.tokens / dt
-        self.t_last, self.examples, self.tokens = time.time(), 0, 0
+        self.t_last, self.examples, self.tokens = now, 0, 0
         if not all(math.isfinite(v) for v in m.values()):
             raise FloatingPointError(f"non-finite metrics at step {step}: {m}; lower "
                                      "config.optim.learning_rate or check the data")
@@ -234,14 +236,15 @@ class _StepEta:
 
     def __init__(self, total_steps: int):
         self.total = total_steps
-        self.points: list = []   # (step, time) of each logged step
+        self.points = collections.deque(maxlen=self.WINDOW + 1)   # (step, time), oldest first
+        self.logged = 0
 
     def at(self, step: int, now: float) -> Optional[float]:
+        self.logged += 1
+        if self.logged == 3:   # a later interval exists: drop the one from the first step
+            self.points.popleft()
         self.points.append((step, now))
-        if len(self.points) < 2:
-            return None
-        first = 0 if len(self.points) == 2 else max(1, len(self.points) - 1 - self.WINDOW)
-        s0, t0 = self.points[first]
+        s0, t0 = self.points[0]
         if step <= s0 or now <= t0:
             return None
         return (now - t0) / (step - s0) * max(0, self.total - step)

@@ -52,6 +52,12 @@ def padding_waste(lengths: np.ndarray, buckets: Sequence[int] = DEFAULT_BUCKETS,
             "ratio": float(padded / (fixed_len * len(lengths)))}
 
 
+def row_cost(row_len, attention_len: int = 256):
+    """Relative compute of a row of `row_len` tokens (a number or an array of them):
+    T + T^2 / attention_len (see `bucket_cost`)."""
+    return row_len + row_len * row_len / attention_len
+
+
 def bucket_cost(lengths: np.ndarray, buckets: Sequence[int], attention_len: int = 256) -> float:
     """Relative compute of one pass over `lengths` padded to `buckets`: sum over examples of
     T + T^2 / attention_len (T = the example's bucket). The T^2 term is the attention scores'
@@ -59,7 +65,7 @@ def bucket_cost(lengths: np.ndarray, buckets: Sequence[int], attention_len: int 
     T-linear work (matmuls, layer norms) at T = attention_len."""
     b = np.asarray(sorted(buckets), np.float64)
     t = b[assign_buckets(lengths, buckets)]
-    return float(np.sum(t + t * t / attention_len))
+    return float(np.sum(row_cost(t, attention_len)))
 
 
 def choose_buckets(lengths: np.ndarray, max_len: int, max_buckets: int = 6, multiple: int = 8,
