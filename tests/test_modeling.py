@@ -154,6 +154,32 @@ def test_bf16_compute_close_to_fp32(teacher, batch):
     assert b16.hidden_states[-1].dtype == jnp.bfloat16
 
 
+def test_bf16_embedding_gradient_sums_repeated_ids():
+    """With bfloat16 compute the embedding tables' gradients still add up in float32: an id met
+    N times gets N times one occurrence's gradient (a bfloat16 sum stops growing at 256 equal
+    terms; the padding id and [CLS] repeat thousands of times a step)."""
+    cfg = jtb.BertConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, vocab_size=100)
+    emb = jtb.modeling.BertEmbeddings(cfg, dtype=jnp.bfloat16)
+    g = jax.random.normal(jax.random.PRNGKey(7), (32,))
+
+    def grad_row0(n):
+        ids = jnp.zeros((1, n), jnp.int32)  # every token: word 0, position 0, type 0
+        params = emb.init(jax.random.PRNGKey(0), ids, ids, ids)["params"]
+
+        def loss(p):
+            h = emb.apply({"params": p}, ids, ids, ids)
+            assert h.dtype == jnp.bfloat16
+            return jnp.sum(h.astype(jnp.float32) * g)
+
+        grads = jax.grad(loss)(params)
+        assert grads["word_embeddings"]["embedding"].dtype == jnp.float32
+        return np.asarray(grads["word_embeddings"]["embedding"][0])
+
+    one, many = grad_row0(1), grad_row0(4096)
+    np.testing.assert_allclose(many, 4096 * one, rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("cls_only", [False, True])
 def test_remat_same_gradients(batch, cls_only):
     cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
