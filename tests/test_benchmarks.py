@@ -1,5 +1,6 @@
 """The benchmarks cannot rot: the PyTorch reference computes our losses, and the throughput
 script runs end to end in smoke mode. (Benchmarks are never timed here beyond a sanity bound.)"""
+import gzip
 import json
 import os
 import pathlib
@@ -300,3 +301,42 @@ def test_step_profile_smoke(tmp_path, glue_dir):
     assert abs(ms["gradient"] + ms["update"] - ms["step"]) < 0.2 * ms["step"]
     assert res["kinds"]["dot fusion (YNNPACK/oneDNN)"] > 0 and res["thunk_s"] > 0
     assert "| 32 | 4 |" in proc.stdout
+
+
+def test_kernel_profile_readings_by_hand(tmp_path):
+    """kernel_profile.py's two readings on hand-written inputs: device kernels summed from a
+    perfetto trace (host events left out), and the dots of an HLO text that stayed with XLA."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import kernel_profile as kp
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0 (pid 7)"}}]
+    ev = [{"ph": "X", "pid": 7, "tid": 1, "name": "input_scatter_fusion_1", "dur": 1200.0},
+          {"ph": "X", "pid": 7, "tid": 2, "name": "input_scatter_fusion_1", "dur": 800.0},
+          {"ph": "X", "pid": 7, "tid": 1, "name": "nvjet_sm90_tst_64x64_NNT", "dur": 50.0},
+          {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(step)", "dur": 9000.0}]
+    (tmp_path / "p").mkdir()
+    with gzip.open(tmp_path / "p" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + ev}, f)
+    got = kp.device_kernel_times(str(tmp_path))
+    assert got == {"input_scatter_fusion_1": [pytest.approx(2e-3), 2],
+                   "nvjet_sm90_tst_64x64_NNT": [pytest.approx(5e-5), 1]}
+    assert kp.kernel_kind("nvjet_sm90_tst_64x64_NNT") == "library GEMM (cuBLAS/CUTLASS)"
+    assert kp.kernel_kind("input_scatter_fusion_1") == "scatter / gather"
+    assert kp.kernel_kind("loop_multiply_fusion_5") == "XLA fusion"
+
+    hlo = """
+%fused_dot (param_0.1: bf16[8,26], param_1.2: f32[26,4]) -> f32[8,4] {
+  %param_0.1 = bf16[8,26]{1,0} parameter(0)
+  %param_1.2 = f32[26,4]{1,0} parameter(1)
+  ROOT %dot.3 = f32[8,4]{1,0} dot(%param_0.1, %param_1.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/attention/dot_general"}
+}
+ENTRY %main {
+  %gemm = (f32[8,4]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"
+  %gemm.1 = (f32[8,4]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"
+}
+"""
+    dots = kp.hlo_dots(hlo)
+    assert dots["library_calls"] == {"__cublas$lt$matmul": 2}
+    assert dots["xla_dots"] == ["f32[8,4]{1,0} = dot(bf16[8,26]{1,0}, f32[26,4]{1,0})  "
+                                "jit(step)/attention/dot_general"]
