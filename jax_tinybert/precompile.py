@@ -24,9 +24,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import logging
+import math
 import threading
 import time
-from typing import Any, Callable, Dict, List, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import jax
 
@@ -52,6 +53,8 @@ class Compiler:
         self._queue: collections.deque = collections.deque()   # (future, fn, args), not started
         self._lock = threading.Lock()
         self._wrapped: List[Ahead] = []
+        self._pending = 0                              # submitted, not finished
+        self._idle_since: Optional[float] = time.time()  # None while the worker has work
 
     def wrap(self, jitted: Callable, name: str = "step") -> "Ahead":
         self._wrapped.append(Ahead(jitted, name, self))
@@ -62,6 +65,8 @@ class Compiler:
         fut: cf.Future = cf.Future()
         with self._lock:
             self._queue.append((fut, fn, args))
+            self._pending += 1
+            self._idle_since = None
         self._pool.submit(self._next)
         return fut
 
@@ -74,19 +79,31 @@ class Compiler:
                     self._queue.appendleft(job)
                     return
 
-    def _next(self) -> None:
+    def quiet_since(self) -> float:
+        """The wall time (time.time) since which the worker has had nothing to compile; inf
+        while it has. Steps timed before then shared the cores with a compilation."""
         with self._lock:
-            if not self._queue:
-                return
-            fut, fn, args = self._queue.popleft()
-        if not fut.set_running_or_notify_cancel():
-            return
+            return math.inf if self._idle_since is None else self._idle_since
+
+    def _next(self) -> None:
         try:
-            result = fn(*args)
-        except BaseException as e:   # noqa: BLE001 - handed to the waiting call
-            fut.set_exception(e)
-        else:
-            fut.set_result(result)
+            with self._lock:
+                if not self._queue:
+                    return
+                fut, fn, args = self._queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args)
+            except BaseException as e:   # noqa: BLE001 - handed to the waiting call
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+        finally:   # one `_next` runs per submitted job, whatever became of the job
+            with self._lock:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle_since = time.time()
 
     def close(self) -> str:
         """Drops the programs not started (one being compiled finishes in its thread);

@@ -85,7 +85,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
             writer.write(start_step, run.cache.build_stats, prefix="teacher_cache")
         if is_main:
             _announce(run)
-        log = _TrainLog(run, writer, start_step)
+        log = _TrainLog(run, writer, start_step, compiler)
         log.last = dict(past.get("last_train", {}))
         eval_every = config.train.eval_every or run.data.train_batches.steps_per_epoch
         fingerprint = config_fingerprint(config)[0]
@@ -190,8 +190,10 @@ class _TrainLog:
     to metrics.jsonl and stdout, with examples/s and tokens/s since the previous record, and
     the steps' ETA. Non-finite metrics stop the run."""
 
-    def __init__(self, run: build.Run, writer: MetricsWriter, start_step: int):
+    def __init__(self, run: build.Run, writer: MetricsWriter, start_step: int,
+                 compiler: Optional[precompile.Compiler] = None):
         self.run, self.writer, self.start_step = run, writer, start_step
+        self.compiler = compiler
         self.t_last, self.examples, self.tokens = time.time(), 0, 0
         self.last: Dict[str, float] = {}
         self.eta = _StepEta(run.total_steps)
@@ -205,7 +207,8 @@ class _TrainLog:
             return
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.time()
-        eta = self.eta.at(step, now)
+        eta = self.eta.at(step, now, -math.inf if self.compiler is None
+                          else self.compiler.quiet_since())
         dt = now - self.t_last
         m["examples_per_s"] = self.examples / dt
         m["tokens_per_s"] = self.tokens / dt
@@ -227,10 +230,11 @@ class _TrainLog:
 
 class _StepEta:
     """Seconds left for the steps, from the mean step time over the last few logged intervals
-    (up to WINDOW). The interval that starts at the first step this process ran is left out once
-    a later one exists: that step paid for its compilation, and the steps after it share the
-    cores with the other buckets' programs compiling ahead (after a README run's resume, an ETA
-    from the first step on read 54 min where the lines after read 21)."""
+    (up to WINDOW). Left out: intervals that shared the cores with the programs compiling ahead
+    (the ETA waits for an interval after the worker's last compile), and the interval that
+    starts at the first step this process ran once a later one exists (that step paid for its
+    own compilation). After a README run's resume, an ETA from the first step on read 54 min,
+    and one from the intervals beside the compile worker 60 min, where the lines after read 21."""
 
     WINDOW = 5
 
@@ -239,15 +243,20 @@ class _StepEta:
         self.points = collections.deque(maxlen=self.WINDOW + 1)   # (step, time), oldest first
         self.logged = 0
 
-    def at(self, step: int, now: float) -> Optional[float]:
+    def at(self, step: int, now: float, quiet_since: float = -math.inf) -> Optional[float]:
+        """-> seconds left, or None while no clean interval is known. `quiet_since`: the time
+        since which nothing compiled beside the steps (inf: something compiles now)."""
         self.logged += 1
         if self.logged == 3:   # a later interval exists: drop the one from the first step
             self.points.popleft()
         self.points.append((step, now))
-        s0, t0 = self.points[0]
-        if step <= s0 or now <= t0:
+        clean = [p for p in self.points if p[1] >= quiet_since]
+        if len(clean) < 2:
             return None
-        return (now - t0) / (step - s0) * max(0, self.total - step)
+        (s0, t0), (s1, t1) = clean[0], clean[-1]
+        if s1 <= s0 or t1 <= t0:
+            return None
+        return (t1 - t0) / (s1 - s0) * max(0, self.total - s1)
 
 
 def _record_eval(step: int, ev: Dict[str, float], best: Optional[dict], improved: bool,

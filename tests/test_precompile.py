@@ -92,6 +92,32 @@ def test_a_call_moves_its_program_to_the_front_and_waits_for_the_worker(caplog):
     compiler.close()
 
 
+def test_quiet_since_says_when_the_worker_ran_out_of_work():
+    """quiet_since: inf while a program is queued or compiling (the step ETA leaves those
+    steps out), then the time the last one finished, a failed compile included."""
+    import time
+
+    release = threading.Event()
+
+    def slow(w, batch):
+        release.wait(60)
+        return w * batch["x"].sum()
+
+    compiler = precompile.Compiler()
+    t_start = time.time()
+    assert compiler.quiet_since() <= t_start   # nothing submitted yet
+    compiler.wrap(jax.jit(slow), "slow").submit(1.0, _batch(2))
+    f = compiler.wrap(jax.jit(_f), "f")
+    f.submit(2.0, _batch(3))   # its compile fails (no batches of 3)
+    assert compiler.quiet_since() == float("inf")
+    release.set()
+    deadline = time.time() + 60
+    while compiler.quiet_since() == float("inf") and time.time() < deadline:
+        time.sleep(0.01)
+    assert t_start <= compiler.quiet_since() <= time.time()
+    compiler.close()
+
+
 def test_programs_left_queued_at_close_compile_in_the_call(caplog):
     release = threading.Event()
 

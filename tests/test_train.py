@@ -291,6 +291,31 @@ def test_step_lines_carry_the_steps_eta(monkeypatch, capsys):
     assert lines[2].endswith(", ETA 2m00s") and lines[4].endswith(", ETA 40s"), lines
 
 
+def test_step_eta_waits_for_the_compile_worker(monkeypatch, capsys):
+    """Steps timed while programs compile ahead beside them give no ETA: the same run as above
+    (step 1 at 30 s, steps 2-20 at 4 s, then 2 s), its worker busy until t = 120 s. Step 20
+    (t 106): compiling, no ETA; step 40 (t 146): only one point after 120, no ETA; step 60: the
+    interval 40-60 alone, 2 s x 40 = 1m20s; step 80: 2 s x 20 = 40s."""
+    from types import SimpleNamespace
+
+    t = [0.0]
+    monkeypatch.setattr(train.time, "time", lambda: t[0])
+    run = SimpleNamespace(total_steps=100, config=SimpleNamespace(
+        train=SimpleNamespace(batch_size=4, log_every=20)))
+    writer = SimpleNamespace(write=lambda *a, **k: None)
+    worker = SimpleNamespace(quiet_since=lambda: 120.0 if t[0] >= 120.0 else float("inf"))
+    log = train._TrainLog(run, writer, start_step=0, compiler=worker)
+    batch = {"attention_mask": np.ones((4, 8), np.int32)}
+    metrics = {"loss": np.float32(0.5), "lr": np.float32(1e-4), "grad_norm": np.float32(1.0)}
+    for step in range(1, 101):
+        t[0] = 30.0 + 4.0 * (min(step, 20) - 1) + 2.0 * max(0, step - 20)
+        log.step(step, batch, metrics)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    assert [("ETA" in ln) for ln in lines] == [False, False, False, True, True, False], lines
+    assert lines[3].startswith("step     60/100") and lines[3].endswith(", ETA 1m20s"), lines
+    assert lines[4].endswith(", ETA 40s"), lines
+
+
 def test_step_eta_reads_the_last_intervals():
     """Past the first intervals the ETA follows the last WINDOW intervals only: a run that
     slows from 1 s to 3 s a step reads 3 s a step once the window holds only slow steps."""
