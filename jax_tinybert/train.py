@@ -183,6 +183,27 @@ def _announce(run: build.Run) -> None:
           f"{run.total_steps} steps of {c.train.batch_size} on {jax.device_count()} "
           f"device(s) (mesh {dict(run.mesh.shape)}), "
           f"{run.data.train_batches.steps_per_epoch} steps/epoch", flush=True)
+    # Fine-tuning has no teacher: its dtype setting is not used.
+    hint = dtype_hint(jax.default_backend(), [c.student.dtype] + (
+        [c.teacher.dtype] if m.teacher_params is not None else []))
+    if hint:
+        print(hint, flush=True)
+
+
+def dtype_hint(backend: str, dtypes) -> Optional[str]:
+    """A one-line note when a model's compute dtype (`dtypes`: the student's, the teacher's) is
+    the slower one on this backend (measured, benchmarks/RESULTS.md): float32 on a GPU, bfloat16
+    on a CPU. None otherwise."""
+    dtypes = {str(d) for d in dtypes}
+    if backend == "gpu" and "float32" in dtypes:
+        return ("note: float32 compute on a GPU; --config.student.dtype=bfloat16 "
+                "--config.teacher.dtype=bfloat16 ran the step 1.6-2.0x faster on an H200 "
+                "(params, gradients and the optimizer stay float32)")
+    if backend == "cpu" and "bfloat16" in dtypes:
+        return ("note: bfloat16 compute on a CPU ran the step 1.2-1.3x slower than float32 on "
+                "an Intel Xeon without AMX; --config.student.dtype=float32 "
+                "--config.teacher.dtype=float32 is the default")
+    return None
 
 
 class _TrainLog:

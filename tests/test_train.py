@@ -326,3 +326,18 @@ def test_step_eta_reads_the_last_intervals():
         t += 10.0 * (1.0 if step <= 100 else 3.0)
         got = eta.at(step, t)
     assert got == pytest.approx(3.0 * (1000 - 200))
+
+
+def test_dtype_hint_names_the_faster_setting():
+    """The start-up note: float32 on a GPU points to bfloat16, bfloat16 on a CPU to float32;
+    the default on a CPU and bfloat16 on a GPU (or anything on a TPU) print nothing."""
+    gpu = train.dtype_hint("gpu", ["float32", "bfloat16"])
+    assert gpu.startswith("note: float32 compute on a GPU") and \
+        "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in gpu
+    cpu = train.dtype_hint("cpu", ["float32", "bfloat16"])
+    assert cpu.startswith("note: bfloat16 compute on a CPU") and \
+        "--config.student.dtype=float32 --config.teacher.dtype=float32" in cpu
+    assert train.dtype_hint("cpu", ["float32", "float32"]) is None
+    assert train.dtype_hint("gpu", ["bfloat16", "bfloat16"]) is None
+    assert train.dtype_hint("gpu", ["bfloat16"]) is None   # fine-tuning: no teacher
+    assert train.dtype_hint("tpu", ["float32", "float32"]) is None
