@@ -8,7 +8,9 @@ script puts OpenBLAS (the copy numpy ships) inside jitted programs through an XL
 against the custom call, in one process:
   1. single products [M, K] x [K, N] and the two transposed forms the backward pass needs;
   2. the forward and backward of 4 feed-forward blocks (x + W2 gelu(x W1 + b1) + b2, D 312,
-     d_ff 1,200: TinyBERT4's shapes), the products by the custom call with a custom VJP.
+     d_ff 1,200: TinyBERT4's shapes), the products by the custom call with a custom VJP; and
+     the same with XLA's forward products (their epilogues fused) and the custom call's
+     backward products only.
 Needs g++ and numpy's bundled OpenBLAS (numpy.libs/libscipy_openblas64_*.so); says so if absent.
 
     .venv/bin/python benchmarks/blas_ffi_probe.py [--rounds 3]
@@ -90,6 +92,17 @@ blas_matmul.defvjp(lambda x, w: (blas_dot(x, w), (x, w)),
                    lambda res, g: (blas_dot(g, res[1], tb=True), blas_dot(res[0], g, ta=True)))
 
 
+@jax.custom_vjp
+def blas_backward_matmul(x, w):
+    """XLA's product forward (its bias / GELU epilogues stay fused), OpenBLAS's backward."""
+    return jnp.dot(x, w)
+
+
+blas_backward_matmul.defvjp(lambda x, w: (jnp.dot(x, w), (x, w)),
+                            lambda res, g: (blas_dot(g, res[1], tb=True),
+                                            blas_dot(res[0], g, ta=True)))
+
+
 def ffn_loss(params, x, dot):
     h = x
     for w1, b1, w2, b2 in params:
@@ -132,17 +145,21 @@ def main(argv=None):
     D, F = 312, 1200
     params = [tuple(jnp.asarray(rng.randn(*s).astype(np.float32) * 0.02)
                     for s in [(D, F), (F,), (F, D), (D,)]) for _ in range(4)]
-    print("\n| 4 FFN blocks, forward + backward | XLA (ms) | OpenBLAS via FFI (ms) | XLA / FFI |\n"
-          "|---|---|---|---|")
+    print("\n| 4 FFN blocks, forward + backward | XLA (ms) | OpenBLAS via FFI (ms) | XLA / FFI "
+          "| XLA forward, OpenBLAS backward (ms) | XLA / that |\n|---|---|---|---|---|---|")
     for m in (256, 512, 2048):
         x = jnp.asarray(rng.randn(m, D).astype(np.float32))
         fx = jax.jit(jax.grad(lambda p, x: ffn_loss(p, x, jnp.dot)))
         fb = jax.jit(jax.grad(lambda p, x: ffn_loss(p, x, blas_matmul)))
-        for gx, gb in zip(jax.tree_util.tree_leaves(fx(params, x)),
-                          jax.tree_util.tree_leaves(fb(params, x))):
-            np.testing.assert_allclose(gb, gx, rtol=1e-3, atol=1e-4 * float(jnp.max(jnp.abs(gx))))
-        tx, tb = (best_of(f, (params, x), args.rounds, 20) for f in (fx, fb))
-        print(f"| {m} tokens | {1e3 * tx:.2f} | {1e3 * tb:.2f} | {tx / tb:.2f}x |", flush=True)
+        fm = jax.jit(jax.grad(lambda p, x: ffn_loss(p, x, blas_backward_matmul)))
+        for f in (fb, fm):
+            for gx, gb in zip(jax.tree_util.tree_leaves(fx(params, x)),
+                              jax.tree_util.tree_leaves(f(params, x))):
+                np.testing.assert_allclose(gb, gx, rtol=1e-3,
+                                           atol=1e-4 * float(jnp.max(jnp.abs(gx))))
+        tx, tb, tm = (best_of(f, (params, x), args.rounds, 20) for f in (fx, fb, fm))
+        print(f"| {m} tokens | {1e3 * tx:.2f} | {1e3 * tb:.2f} | {tx / tb:.2f}x | "
+              f"{1e3 * tm:.2f} | {tx / tm:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
