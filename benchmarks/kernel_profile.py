@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import glob  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -65,11 +64,7 @@ def kernel_kind(name: str) -> str:
 def device_kernel_times(trace_dir: str) -> dict:
     """perfetto trace -> {kernel name: [total seconds, count]} over the events of the device
     processes ("/device:GPU:N ..."); {} when the trace has none (CPU)."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
-                            recursive=True))[-1]
-    with gzip.open(path, "rt") as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    events = step_profile.trace_events(trace_dir)
     device_pids = {e["pid"] for e in events if e.get("ph") == "M"
                    and e.get("name") == "process_name"
                    and str(e.get("args", {}).get("name", "")).startswith("/device:")}

@@ -83,13 +83,19 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def thunk_times(trace_dir: str) -> dict:
-    """perfetto trace -> {op name: (total seconds, count)} over XLA's thunk events."""
+def trace_events(trace_dir: str) -> list:
+    """The events of the last perfetto trace `jax.profiler.trace(trace_dir,
+    create_perfetto_trace=True)` wrote."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                             recursive=True))[-1]
     with gzip.open(path, "rt") as f:
         events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def thunk_times(trace_dir: str) -> dict:
+    """perfetto trace -> {op name: (total seconds, count)} over XLA's thunk events."""
+    events = trace_events(trace_dir)
     threads = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "thread_name":

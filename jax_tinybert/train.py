@@ -17,7 +17,7 @@ import math
 import os
 import shutil
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import jax
 import ml_collections
@@ -190,7 +190,7 @@ def _announce(run: build.Run) -> None:
         print(hint, flush=True)
 
 
-def dtype_hint(backend: str, dtypes) -> Optional[str]:
+def dtype_hint(backend: str, dtypes: Iterable[str]) -> Optional[str]:
     """A one-line note when a model's compute dtype (`dtypes`: the student's, the teacher's) is
     the slower one on this backend (measured, benchmarks/RESULTS.md): float32 on a GPU, bfloat16
     on a CPU. None otherwise."""
