@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import step_throughput as st  # noqa: E402
+from helpers import tiny_run  # noqa: E402
 from torch_reference import TorchReference  # noqa: E402
 
 REL = 1e-4
@@ -108,10 +109,12 @@ def test_step_throughput_smoke(tmp_path):
 
 def test_compile_cost_smoke(tmp_path):
     out = tmp_path / "cc.json"
+    # The wiring, not the seconds: XLA's cheap backend passes halve the script's compilations.
+    env = dict(os.environ, XLA_FLAGS=tiny_run.FAST_COMPILE_XLA_FLAGS)
     proc = subprocess.run([sys.executable, str(BENCH / "compile_cost.py"), "--smoke",
                            "--lengths", "8,16", "--batch", "4", "--steps", "1",
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                           "--json", str(out)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [r["stage"] for r in res["stages"]] == ["finetune", "intermediate", "pred"]
