@@ -55,10 +55,7 @@ KERNEL_KINDS = (
 
 
 def kernel_kind(name: str) -> str:
-    for label, rx in KERNEL_KINDS:
-        if rx.search(name):
-            return label
-    return "other"
+    return step_profile.kind_of(name, KERNEL_KINDS)
 
 
 def device_kernel_times(trace_dir: str) -> dict:

@@ -76,8 +76,9 @@ KINDS = (("dot fusion (YNNPACK/oneDNN)", re.compile(r"^(ynn|onednn|.*dot_fusion|
          ("other fusion", re.compile(r"fusion")))
 
 
-def kind_of(name: str) -> str:
-    for label, rx in KINDS:
+def kind_of(name: str, kinds=KINDS) -> str:
+    """The label of the first (label, regex) of `kinds` whose regex finds `name`; "other"."""
+    for label, rx in kinds:
         if rx.search(name):
             return label
     return "other"

@@ -265,13 +265,10 @@ def test_eval_warns_when_every_dev_example_gets_one_class(collapsed, capsys):
         assert "warning" not in printed
 
 
-def test_step_lines_carry_the_steps_eta(monkeypatch, capsys):
-    """The logged step lines end with the steps' ETA: the mean step time over the last logged
-    intervals times the steps left, by hand. Step 1 at t = 30 s (after its compilation), steps
-    2-20 at 4 s (the other buckets compiling beside them), then 2 s a step, 100 steps, a line
-    every 20: at step 20 only the slow interval is known: 76 s / 19 steps x 80 left = 5m20s; at
-    step 40 the interval 20-40 alone: 2 s x 60 = 2m00s; at 80, 2 s x 20 = 40s. No ETA on the first
-    line (no rate yet) nor on the last."""
+def _eta_run_lines(monkeypatch, capsys, worker=None):
+    """The printed step lines of a 100-step run on a fake clock, a line every 20: step 1 at
+    t = 30 s (after its compilation), steps 2-20 at 4 s (the other buckets compiling beside
+    them), then 2 s a step. `worker(t)`: the compile worker's quiet_since at time t."""
     from types import SimpleNamespace
 
     t = [0.0]
@@ -279,38 +276,35 @@ def test_step_lines_carry_the_steps_eta(monkeypatch, capsys):
     run = SimpleNamespace(total_steps=100, config=SimpleNamespace(
         train=SimpleNamespace(batch_size=4, log_every=20)))
     writer = SimpleNamespace(write=lambda *a, **k: None)
-    log = train._TrainLog(run, writer, start_step=0)
+    compiler = None if worker is None else SimpleNamespace(quiet_since=lambda: worker(t[0]))
+    log = train._TrainLog(run, writer, start_step=0, compiler=compiler)
     batch = {"attention_mask": np.ones((4, 8), np.int32)}
     metrics = {"loss": np.float32(0.5), "lr": np.float32(1e-4), "grad_norm": np.float32(1.0)}
     for step in range(1, 101):
         t[0] = 30.0 + 4.0 * (min(step, 20) - 1) + 2.0 * max(0, step - 20)
         log.step(step, batch, metrics)
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    return [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+
+
+def test_step_lines_carry_the_steps_eta(monkeypatch, capsys):
+    """The logged step lines end with the steps' ETA: the mean step time over the last logged
+    intervals times the steps left, by hand (`_eta_run_lines`' run): at step 20 only the slow
+    interval is known: 76 s / 19 steps x 80 left = 5m20s; at step 40 the interval 20-40 alone:
+    2 s x 60 = 2m00s; at 80, 2 s x 20 = 40s. No ETA on the first line (no rate yet) nor on the
+    last."""
+    lines = _eta_run_lines(monkeypatch, capsys)
     assert len(lines) == 6 and "ETA" not in lines[0] and "ETA" not in lines[-1], lines
     assert lines[1].startswith("step     20/100") and lines[1].endswith(", ETA 5m20s"), lines
     assert lines[2].endswith(", ETA 2m00s") and lines[4].endswith(", ETA 40s"), lines
 
 
 def test_step_eta_waits_for_the_compile_worker(monkeypatch, capsys):
-    """Steps timed while programs compile ahead beside them give no ETA: the same run as above
-    (step 1 at 30 s, steps 2-20 at 4 s, then 2 s), its worker busy until t = 120 s. Step 20
-    (t 106): compiling, no ETA; step 40 (t 146): only one point after 120, no ETA; step 60: the
-    interval 40-60 alone, 2 s x 40 = 1m20s; step 80: 2 s x 20 = 40s."""
-    from types import SimpleNamespace
-
-    t = [0.0]
-    monkeypatch.setattr(train.time, "time", lambda: t[0])
-    run = SimpleNamespace(total_steps=100, config=SimpleNamespace(
-        train=SimpleNamespace(batch_size=4, log_every=20)))
-    writer = SimpleNamespace(write=lambda *a, **k: None)
-    worker = SimpleNamespace(quiet_since=lambda: 120.0 if t[0] >= 120.0 else float("inf"))
-    log = train._TrainLog(run, writer, start_step=0, compiler=worker)
-    batch = {"attention_mask": np.ones((4, 8), np.int32)}
-    metrics = {"loss": np.float32(0.5), "lr": np.float32(1e-4), "grad_norm": np.float32(1.0)}
-    for step in range(1, 101):
-        t[0] = 30.0 + 4.0 * (min(step, 20) - 1) + 2.0 * max(0, step - 20)
-        log.step(step, batch, metrics)
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    """Steps timed while programs compile ahead beside them give no ETA: the same run, its
+    worker busy until t = 120 s. Step 20 (t 106): compiling, no ETA; step 40 (t 146): only one
+    point after 120, no ETA; step 60: the interval 40-60 alone, 2 s x 40 = 1m20s; step 80:
+    2 s x 20 = 40s."""
+    lines = _eta_run_lines(monkeypatch, capsys,
+                           worker=lambda now: 120.0 if now >= 120.0 else float("inf"))
     assert [("ETA" in ln) for ln in lines] == [False, False, False, True, True, False], lines
     assert lines[3].startswith("step     60/100") and lines[3].endswith(", ETA 1m20s"), lines
     assert lines[4].endswith(", ETA 40s"), lines
