@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_tinybert import build, fs
+from jax_tinybert import build, fs, workdir_lock
 from jax_tinybert.config_check import ConfigValueError
 from jax_tinybert.data import corpus as corpus_lib
 from jax_tinybert.data import tokenize
@@ -204,6 +204,12 @@ def fit(config, workdir: str) -> dict:
                          f"config.mlm.max_predictions={m.max_predictions} >= 1")
     if int(tc.num_steps) < 1:
         raise ConfigValueError("config.train.num_steps must be >= 1 for the mlm_head stage")
+    with workdir_lock.hold(workdir):
+        return _fit(config, workdir, done)
+
+
+def _fit(config, workdir: str, done: str) -> dict:
+    m, tc = config.mlm, config.train
     t0 = time.time()
     enc_path = str(build.resolve_model_path(m.encoder))
     tok = tokenize.load_tokenizer(enc_path)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jax_tinybert import config_base, train
+from jax_tinybert import config_base, train, workdir_lock
 from jax_tinybert.data import synthetic
 from jax_tinybert.hf import load_pretrained
 from jax_tinybert.modeling import BertForSequenceClassification, count_params
@@ -76,7 +76,13 @@ def inference_ms(model_dir: str, batch: int = 32, seq_len: int = 64, repeats: in
 
 
 def run_demo(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Runs the four stages of configs/demo.py and prints the results table."""
+    """Runs the four stages of configs/demo.py and prints the results table. A second demo in
+    the same workdir while one runs stops at once (workdir_lock.WorkdirBusy)."""
+    with workdir_lock.hold(workdir):
+        return _run_demo(config, workdir)
+
+
+def _run_demo(config: ml_collections.ConfigDict, workdir: str) -> dict:
     steps, lr = config.demo_steps, config.demo_lr
     corpus_kind = "corpus"
     corpus = config.data.corpus

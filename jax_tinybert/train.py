@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_tinybert import build, fs, precompile
+from jax_tinybert import build, fs, precompile, workdir_lock
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
@@ -44,13 +44,20 @@ logger = logging.getLogger(__name__)
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, Any]:
     """Runs one stage; returns the summary dict (also written to workdir/summary.json).
-    Raises Preempted when stopped early (state saved; rerun to resume)."""
+    Raises Preempted when stopped early (state saved; rerun to resume), and
+    workdir_lock.WorkdirBusy, before anything is written, while another run holds the workdir."""
     t_start = time.time()
+    config = build.with_defaults(config)
+    validate_config(config)
+    with workdir_lock.hold(workdir):
+        return _run_stage(config, workdir, t_start)
+
+
+def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> Dict[str, Any]:
+    """train_and_evaluate's work, the workdir held; t_start: when the call began (wall s)."""
     is_main = jax.process_index() == 0
 
     # ----------------------------------------------------------------- build
-    config = build.with_defaults(config)
-    validate_config(config)
     check_workdir(config, workdir)
     run = build.build_run(config, workdir)
     state = run.step.init_state(run.models.student_params, config.train.seed)

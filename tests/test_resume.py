@@ -271,3 +271,43 @@ def test_ctrl_c_during_the_teacher_cache_build_exits_130_and_the_rerun_builds_it
     assert "resumed from step" not in out and "stopped after" not in out, out[-3000:]
     assert "teacher per-token cache: yes (0.00 GB (float16) for 256 rows)" in out, out[-3000:]
     assert json.loads((wd / "summary.json").read_text())["steps"] == 40
+
+
+def test_a_second_run_on_a_busy_workdir_stops_at_once_and_the_rerun_resumes(setup, tmp_path):
+    """The same command started again while the first still runs (a second terminal, a job
+    resubmitted), with a relative --workdir: the second stops at once, exit 2, one line naming
+    the first run's pid, and writes nothing; the first goes on. Once the first is stopped
+    (SIGTERM: it saves its step), the same command resumes it and finishes."""
+    teacher, cache = setup
+    args = [a.replace("--config=configs/", f"--config={REPO}/configs/")
+            for a in _args("runs/busy", teacher)]
+    env = dict(_env(cache), JTB_TEST_STEP_SLEEP="2")
+    wd, log = tmp_path / "runs" / "busy", tmp_path / "first.log"
+    first = subprocess.Popen([T.PYTHON, "-m", "slow_main", *args], env=env, cwd=tmp_path,
+                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        T.wait_for(lambda: "\nstep " in log.read_text(), RUN_TIMEOUT, first, "the first step")
+        record = (wd / "config.json").stat().st_mtime_ns
+        second = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *args], env=env,
+                                cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        assert first.poll() is None, log.read_text()[-3000:]   # still running: a real overlap
+        assert second.returncode == 2, second.stderr[-3000:]
+        errors = [ln for ln in second.stderr.splitlines() if ln.startswith("error: ")]
+        assert len(errors) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert errors[0].startswith(f"error: workdir runs/busy is in use by another run (pid "
+                                    f"{first.pid} on host "), errors[0]
+        assert "slow_main.py --config=" in errors[0]   # the first run's command line
+        assert f"kill -TERM {first.pid}" in errors[0], errors[0]
+        assert (wd / "config.json").stat().st_mtime_ns == record
+        rc = T.signal_when(first, lambda: True, signal.SIGTERM, RUN_TIMEOUT)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    out = log.read_text()
+    assert rc == 143, out[-3000:]
+    saved = T.saved_step(out)
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *args], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _resumed_step(res.stdout + res.stderr) == saved
+    assert json.loads((wd / "summary.json").read_text())["steps"] == STEPS
