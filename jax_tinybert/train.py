@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_tinybert import build, fs, precompile, workdir_lock
+from jax_tinybert import build, fs, precompile, teacher_cache, workdir_lock
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
@@ -66,7 +66,8 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
     ckpt = Checkpointer(workdir, max_to_keep=config.train.max_to_keep,
                         save_interval_steps=config.train.checkpoint_every,
                         keep_best=run.evaluates, best_metric="main", best_mode="max")
-    start_step, state, best, past = _restore(ckpt, run, state, workdir)
+    inputs = input_fingerprints(run)
+    start_step, state, best, past = _restore(ckpt, run, state, workdir, inputs)
     # The run so far (carried in each checkpoint's meta), so that summary.json covers every
     # segment of a resumed run, and a finished run rerun in place keeps its history.
     history = list(past.get("eval_history", []))
@@ -103,7 +104,7 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
             step += 1
             log.step(step, batch, metrics)
             meta = {"data": run.data.train_batches.state_dict(), "best": best,
-                    "config_fingerprint": fingerprint,
+                    "config_fingerprint": fingerprint, "inputs": inputs,
                     "history": {"eval_history": history, "last_train": log.last,
                                 "wall_s": wall_before + time.time() - t_start}}
             if run.evaluates and (step % eval_every == 0 or step == run.total_steps):
@@ -166,13 +167,65 @@ def _drop_token_cache(cache) -> None:
               "is finished", flush=True)
 
 
-def _restore(ckpt: Checkpointer, run: build.Run, state, workdir: str):
+# A train set of more tokens than this (a corpus on disk) is fingerprinted by its offsets, labels
+# and an even sample of its tokens, so that a start does not read all of it (~1 s per 100 M).
+FULL_FINGERPRINT_TOKENS = 1 << 24
+
+
+def input_fingerprints(run: build.Run) -> Dict[str, str]:
+    """What a run's steps are trained from besides its config, recorded in every checkpoint:
+    "teacher" (a digest of the teacher's weights, for the stages that read them) and
+    "train_data" (of the train set's token ids, segments, offsets and labels)."""
+    out = {}
+    if run.models.teacher_params is not None:
+        out["teacher"] = teacher_cache.params_fingerprint(run.models.teacher_params)
+    ds = run.data.train_dataset
+    ids, offsets = getattr(ds, "input_ids", None), getattr(ds, "offsets", None)
+    if ids is not None and offsets is not None:
+        every = max(1, len(ids) // FULL_FINGERPRINT_TOKENS)
+        types = getattr(ds, "token_type_ids", None)
+        out["train_data"] = teacher_cache.arrays_fingerprint(
+            ids[::every], None if types is None else types[::every], offsets,
+            getattr(ds, "labels", None))
+    return out
+
+
+def _check_inputs(run: build.Run, workdir: str, step: int, saved: Dict[str, str],
+                  now: Dict[str, str]) -> None:
+    """Refuses to go on training from checkpoint `step` with another teacher or train set than
+    the one it was trained with (same config: the paths name the same files, whose content
+    changed)."""
+    c = run.config
+    changed = {k for k in saved.keys() & now.keys() if saved[k] != now[k]}
+    if "teacher" in changed:
+        raise UserError(
+            f"workdir {workdir} holds a run distilled from other teacher weights: the weights at "
+            f"config.teacher.path={c.teacher.path} changed after step {step} was saved "
+            f"(fingerprint {saved['teacher']} -> {now['teacher']}); going on would mix two "
+            f"teachers. Put the old weights back, use a new --workdir, or delete {workdir} to "
+            "start over")
+    if "train_data" in changed:
+        src = {"glue": f"{c.data.task} in {c.data.glue_dir or os.environ.get('GLUE_DIR', '')}",
+               "corpus": f"corpus {c.data.corpus}"}.get(c.data.kind, f"data.kind={c.data.kind}")
+        raise UserError(
+            f"workdir {workdir} holds a run trained on other data: the train set ({src}) changed "
+            f"after step {step} was saved: the same number of examples, other tokens or labels "
+            f"(fingerprint {saved['train_data']} -> {now['train_data']}); going on would follow "
+            f"the saved data order over other examples. Put the old data back, use a new "
+            f"--workdir, or delete {workdir} to start over")
+
+
+def _restore(ckpt: Checkpointer, run: build.Run, state, workdir: str,
+             inputs: Dict[str, str]):
     """-> (start step, state, best eval, the run's history so far) from the newest readable
-    checkpoint (the data position restored too), or the fresh state at step 0."""
+    checkpoint (the data position restored too), or the fresh state at step 0. inputs: this
+    run's `input_fingerprints`, checked against the checkpoint's while steps are left."""
     restored = ckpt.restore_latest(run.step.abstract_state)
     if restored is None:
         return 0, state, None, {}
     start_step, state, meta = restored
+    if start_step < run.total_steps:
+        _check_inputs(run, workdir, start_step, meta.get("inputs") or {}, inputs)
     try:
         run.data.train_batches.load_state_dict(meta["data"])
     except ValueError as e:   # the data of this run is not the saved run's: the user's to fix

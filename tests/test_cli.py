@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -322,3 +323,48 @@ def test_a_cli_run_fills_the_default_compile_cache(cli, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(list((tmp_path / "jax_tinybert" / "xla").iterdir())) >= 2   # train + eval steps
+
+
+def test_resume_refuses_a_changed_teacher_or_train_set_then_resumes(cli):
+    """The same config, but the files it names changed since the run saved its steps: a teacher
+    fine-tuned again in place, labels fixed in train.tsv. Going on would mix two teachers, or
+    follow the saved data order over other examples; each is refused in one line naming what
+    changed, and with the files put back the run resumes."""
+    d, run = cli
+    for src, dst in (("teacher", "teacher_i"), ("glue", "glue_i")):
+        if not (d / dst).exists():
+            shutil.copytree(d / src, d / dst)
+    args = ["--config=configs/task_distill.py:sst2_intermediate", "--workdir=runs/i",
+            "--config.teacher.path=teacher_i", "--config.data.glue_dir=glue_i",
+            "--config.student.init=random", "--config.student.num_hidden_layers=1",
+            "--config.student.hidden_size=16", "--config.student.intermediate_size=32",
+            "--config.student.num_attention_heads=4", *TINY]
+    r = run(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    longer = _with(args, ["--config.train.num_steps=4"])   # extends the run: resumes at step 2
+
+    weights = d / "teacher_i" / "model.safetensors"
+    original = weights.read_bytes()
+    from safetensors.numpy import load_file, save_file
+    t = load_file(str(weights))
+    name = sorted(t)[0]
+    t[name] = t[name] + np.asarray(0.01, t[name].dtype)   # "fine-tuned again": other weights
+    save_file(t, str(weights), metadata={"format": "np"})
+    _one_line_error(run(longer), "workdir runs/i holds a run distilled from other teacher "
+                    "weights: the weights at config.teacher.path=teacher_i changed after step 2 "
+                    "was saved", "Put the old weights back, use a new --workdir, or delete runs/i")
+    weights.write_bytes(original)
+
+    train = d / "glue_i" / "SST-2" / "train.tsv"
+    text = train.read_text()
+    header, *rows = text.splitlines()
+    flipped = [r[:-1] + ("0" if r.endswith("1") else "1") for r in rows]   # every label
+    train.write_text("\n".join([header, *flipped]) + "\n")
+    _one_line_error(run(longer), "workdir runs/i holds a run trained on other data: the train "
+                    "set (sst2 in glue_i) changed after step 2 was saved: the same number of "
+                    "examples, other tokens or labels", "Put the old data back")
+    train.write_text(text)
+
+    r = run(longer)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from step 2" in r.stdout
