@@ -50,10 +50,12 @@ See docs/checkpoints.md for resume, damage detection, preemption and mesh change
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import shutil
 from typing import Any, Mapping
 
 import jax
@@ -64,15 +66,77 @@ from etils import epath
 from jax_tinybert import checkpoint_digests as digests
 from jax_tinybert import fs
 from jax_tinybert.coordination import Coordinator
+from jax_tinybert.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Checkpointer", "abstract_like"]
+__all__ = ["Checkpointer", "abstract_like", "DiskFull", "state_bytes", "check_free_space"]
 
 # Key in each saved meta: this step has a digests.json (so one that lacks it is damaged, not
 # merely written by a version without digests).
 _DIGESTED = "_digested"
 
+
+
+class DiskFull(UserError, OSError):
+    """A checkpoint could not be written: the workdir's disk is full."""
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """Whether `e` or an exception it was raised from is ENOSPC (orbax and TensorStore report it
+    as a ValueError 'RESOURCE_EXHAUSTED: ... No space left on device')."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _free_bytes(path) -> int | None:
+    """Free bytes on the local disk holding `path` (its nearest existing parent); None for a
+    bucket."""
+    p = os.path.abspath(os.fspath(path))
+    if fs.is_remote(os.fspath(path)):
+        return None
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return shutil.disk_usage(p).free
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+# Room wanted beyond a checkpoint's arrays: its metadata, digests and the file system's blocks.
+_SLACK = 16 << 20
+
+
+def state_bytes(state) -> int:
+    """Bytes a checkpoint of `state` writes uncompressed (every leaf, all shards together)."""
+    return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree_util.tree_leaves(state) if hasattr(x, "shape")))
+
+
+def check_free_space(workdir: str, state, max_to_keep: int, keep_best: bool) -> None:
+    """Before training: refuses a local workdir whose disk cannot hold one checkpoint of
+    `state`, and warns when it cannot hold the run's `max_to_keep` (+ the best) of them."""
+    free = _free_bytes(workdir)
+    if free is None:
+        return
+    one = state_bytes(state) + _SLACK
+    keep = max(1, int(max_to_keep or 1)) + (1 if keep_best else 0)
+    if free < one:
+        raise DiskFull(
+            f"the disk of workdir {workdir} has {_mb(free)} free, and one checkpoint of this run "
+            f"takes ~{_mb(one)} (the student's params and optimizer state); free space there or "
+            "use a --workdir on a larger disk")
+    if free < one * (keep + 1):
+        log.warning("the disk of workdir %s has %s free; this run keeps up to %d checkpoints of "
+                    "~%s (train.max_to_keep=%s%s) and writes the next beside them: it may run out "
+                    "of space (then it stops, and the same command resumes)", workdir, _mb(free),
+                    keep, _mb(one), max_to_keep, " + the best" if keep_best else "")
 
 
 def _json_default(x):
@@ -190,8 +254,9 @@ class Checkpointer:
             digester.pending.append(step)
         try:
             saved = bool(mngr.save(step, args=args, **kw))
-        except BaseException:
+        except BaseException as e:
             digester.discard(step)
+            self._raise_if_disk_full(e)
             raise
         if not saved:
             digester.discard(step)
@@ -260,6 +325,8 @@ class Checkpointer:
         step = int(step)
         if step in self._mngr.all_steps():
             return False
+        if force or step % self.save_interval_steps == 0:
+            self._check_room(step, state, self.directory)
         saved = self._save(self._mngr, step, self._args(state, meta), force=force)
         if saved:
             log.info("checkpoint step %d -> %s%s", step, self.directory,
@@ -283,6 +350,7 @@ class Checkpointer:
         step = int(step)
         if not self.is_better(metric) or step in self._best_mngr.all_steps():
             return False
+        self._check_room(step, state, self.best_directory)
         meta = dict(_to_json(meta))
         meta.setdefault("best", {"metric": self.best_metric, "value": metric, "step": step})
         saved = self._save(self._best_mngr, step, self._args(state, meta),
@@ -295,9 +363,66 @@ class Checkpointer:
 
     def wait(self):
         """Block until every started save is fully written (and old ones pruned)."""
-        self._mngr.wait_until_finished()
-        if self._best_mngr is not None:
-            self._best_mngr.wait_until_finished()
+        try:
+            self._mngr.wait_until_finished()
+            if self._best_mngr is not None:
+                self._best_mngr.wait_until_finished()
+        except BaseException as e:
+            self._raise_if_disk_full(e)
+            raise
+
+    def _check_room(self, step: int, state, directory) -> None:
+        """Raises DiskFull, before anything is written, when the disk of `directory` (local)
+        lacks room for a checkpoint of `state`, counting the space that the saves in flight free
+        when they finish (pruning old steps). A full disk found by orbax mid-write also stops
+        the run, but under pages of its threads' tracebacks."""
+        need = state_bytes(state) + _SLACK
+        free = _free_bytes(directory)
+        if free is None or free >= need:
+            return
+        self._settle()
+        free = _free_bytes(directory)
+        if free >= need:
+            return
+        last = self.latest_step()
+        raise DiskFull(
+            f"no room for the checkpoint of step {step} on the disk of {directory}: {_mb(free)} "
+            f"free, one checkpoint of this run takes ~{_mb(need)}; free space there or move the "
+            "workdir to a larger disk, then rerun the same command: it resumes from "
+            + (f"step {last}, the last checkpoint" if last is not None else "the start"))
+
+    def _settle(self) -> None:
+        """Waits for every save in flight, ignoring its failure (the caller reports its own)."""
+        for mngr in (self._mngr, self._best_mngr):
+            try:
+                if mngr is not None:
+                    mngr.wait_until_finished()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _raise_if_disk_full(self, e: BaseException) -> None:
+        """A save that failed for lack of space -> DiskFull (one line: where, how much is free,
+        what to do), its partial files removed; anything else is left to the caller."""
+        if not _is_disk_full(e):
+            return
+        self._settle()   # no save left writing beside the removal
+        removed = 0
+        if jax.process_index() == 0 and not fs.is_remote(os.fspath(self.directory)):
+            # Only this run writes here (workdir_lock): an unfinished step is this run's.
+            for d in [self.directory] + ([self.best_directory] if self._best_mngr else []):
+                for tmp in epath.Path(d).glob("*.orbax-checkpoint-tmp*"):
+                    shutil.rmtree(os.fspath(tmp), ignore_errors=True)
+                    removed += 1
+        last = self.latest_step()
+        free = _free_bytes(self.directory)
+        raise DiskFull(
+            f"no space left on the disk of {self.directory} while writing a checkpoint"
+            + (f" ({_mb(free)} free there now" + (", after removing the unfinished one)"
+                                                   if removed else ")") if free is not None else "")
+            + "; free space there or move the workdir to a larger disk, then rerun the same "
+            "command: it resumes from "
+            + (f"step {last}, the last complete checkpoint" if last is not None
+               else "the start (no checkpoint was completed)")) from e
 
     def close(self):
         """`wait()`, then release orbax's threads."""

@@ -28,7 +28,7 @@ from jax_tinybert import build, fs, precompile, teacher_cache, workdir_lock
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
-from jax_tinybert.checkpoints import Checkpointer
+from jax_tinybert.checkpoints import Checkpointer, check_free_space
 from jax_tinybert.config_check import (ConfigValueError, check_workdir,  # noqa: F401
                                        config_fingerprint, validate_config)
 from jax_tinybert.errors import UserError
@@ -68,6 +68,8 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
                         keep_best=run.evaluates, best_metric="main", best_mode="max")
     inputs = input_fingerprints(run)
     start_step, state, best, past = _restore(ckpt, run, state, workdir, inputs)
+    if start_step < run.total_steps:
+        check_free_space(workdir, state, config.train.max_to_keep, run.evaluates)
     # The run so far (carried in each checkpoint's meta), so that summary.json covers every
     # segment of a resumed run, and a finished run rerun in place keeps its history.
     history = list(past.get("eval_history", []))

@@ -575,3 +575,114 @@ jax.distributed.shutdown()
         assert r["fallback"] == dict(step=4, meta={"step": 4, "pid_independent": True},
                                      equal=True, steps=[4], moved=True)
         assert r["one_host"] == dict(step=4, moved=True)
+
+
+# --------------------------------------------------------------------------- a full disk
+
+def _disk_state(n=400_000):
+    """A TrainState whose checkpoint writes ~4.8 MB (params + two Adam moments, float32)."""
+    params = {"student": {"w": jnp.arange(n, dtype=jnp.float32)}, "proj": {}}
+    return TrainState.create(params, optax.adam(1e-3), jax.random.key(0))
+
+
+def test_state_bytes_counts_every_leaf():
+    from jax_tinybert.checkpoints import state_bytes
+
+    st = _disk_state(1000)
+    # params 1000 float32 + mu + nu (1000 each) + step/count scalars (int32) + the rng key.
+    leaves = jax.tree_util.tree_leaves(st)
+    expected = sum(np.asarray(x).nbytes if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                   else 8 for x in leaves)
+    assert state_bytes(st) >= 3 * 4000 and abs(state_bytes(st) - expected) <= 16
+
+
+def test_no_room_for_a_checkpoint_stops_before_writing(tmp_path, monkeypatch):
+    """The disk cannot take the next checkpoint: one line saying so, from where the rerun
+    resumes, and nothing half-written (the refusal comes before orbax writes)."""
+    from jax_tinybert import checkpoints as C
+
+    st = _disk_state()
+    free = {"n": 10 ** 12}
+    monkeypatch.setattr(C, "_free_bytes", lambda path: free["n"])
+    ckpt = Checkpointer(tmp_path / "wd", max_to_keep=2, save_interval_steps=5)
+    assert ckpt.maybe_save(5, bump(st, 5), {"data": {}})
+    ckpt.wait()
+    free["n"] = C.state_bytes(st) // 2
+    assert not ckpt.maybe_save(7, bump(st, 7), {})   # off the interval: not a save, no check
+    with pytest.raises(C.DiskFull) as e:
+        ckpt.maybe_save(10, bump(st, 10), {"data": {}})
+    msg = str(e.value)
+    assert msg.startswith("no room for the checkpoint of step 10 on the disk of ") and \
+        msg.endswith("then rerun the same command: it resumes from step 5, the last checkpoint")
+    assert f"{free['n'] / 1e6:.0f} MB free" in msg and "\n" not in msg
+    ckpt.wait()
+    assert sorted(os.listdir(tmp_path / "wd" / "checkpoints")) == ["5"]
+    # The preflight before training: refused below one checkpoint, a warning below the run's.
+    with pytest.raises(C.DiskFull, match="one checkpoint of this run takes ~"):
+        C.check_free_space(str(tmp_path / "wd"), st, 2, True)
+    free["n"] = C.state_bytes(st) + C._SLACK + 1   # one fits, the run's three do not
+    with _caplog_warning() as seen:
+        C.check_free_space(str(tmp_path / "wd"), st, 2, True)
+    assert any("keeps up to 3 checkpoints" in m for m in seen)
+
+
+class _caplog_warning:
+    def __enter__(self):
+        self.seen, self.h = [], logging.Handler()
+        self.h.emit = lambda rec: self.seen.append(rec.getMessage())
+        logging.getLogger("jax_tinybert.checkpoints").addHandler(self.h)
+        return self.seen
+
+    def __exit__(self, *a):
+        logging.getLogger("jax_tinybert.checkpoints").removeHandler(self.h)
+
+
+def test_disk_full_reported_by_orbax_becomes_one_line():
+    """orbax/TensorStore report ENOSPC as a ValueError 'RESOURCE_EXHAUSTED: ... No space left
+    on device', sometimes as the cause of another error; an OSError carries the errno."""
+    from jax_tinybert.checkpoints import _is_disk_full
+
+    ts = ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.2.0.count/0" in OCDBT database'
+                    ': Failed to write 16961536 bytes to file 9: No space left on device '
+                    "[os_error_code='28']")
+    try:
+        try:
+            raise ts
+        except ValueError as inner:
+            raise RuntimeError("Save Finalize thread failed") from inner
+    except RuntimeError as outer:
+        assert _is_disk_full(outer)
+    assert _is_disk_full(OSError(28, "No space left on device"))
+    assert not _is_disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 4 MB tmpfs (root only; skipped elsewhere)."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(d)],
+                       capture_output=True)
+    if r.returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_a_disk_filling_up_mid_write_stops_with_one_line(tiny_disk, monkeypatch):
+    """The space check passes (say another process fills the disk meanwhile) and orbax runs out
+    of space writing: the save stops with DiskFull naming the step to resume from, and the
+    unfinished step's files are removed."""
+    from jax_tinybert import checkpoints as C
+
+    monkeypatch.setattr(C, "_free_bytes", lambda path: 10 ** 12)   # the check sees room
+    st = _disk_state()   # ~4.8 MB: no checkpoint fits in 4 MB
+    ckpt = Checkpointer(tiny_disk / "wd", max_to_keep=2, save_interval_steps=1)
+    with pytest.raises(C.DiskFull) as e:
+        ckpt.save(1, st, {"data": {}})
+        ckpt.wait()
+    msg = str(e.value)
+    assert msg.startswith(f"no space left on the disk of {tiny_disk / 'wd' / 'checkpoints'} "
+                          "while writing a checkpoint"), msg
+    assert msg.endswith("it resumes from the start (no checkpoint was completed)"), msg
+    assert not [p for p in (tiny_disk / "wd" / "checkpoints").iterdir() if "tmp" in p.name]
