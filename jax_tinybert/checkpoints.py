@@ -50,7 +50,6 @@ See docs/checkpoints.md for resume, damage detection, preemption and mesh change
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -66,7 +65,7 @@ from etils import epath
 from jax_tinybert import checkpoint_digests as digests
 from jax_tinybert import fs
 from jax_tinybert.coordination import Coordinator
-from jax_tinybert.errors import UserError
+from jax_tinybert.errors import UserError, is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -80,18 +79,6 @@ _DIGESTED = "_digested"
 
 class DiskFull(UserError, OSError):
     """A checkpoint could not be written: the workdir's disk is full."""
-
-
-def _is_disk_full(e: BaseException) -> bool:
-    """Whether `e` or an exception it was raised from is ENOSPC (orbax and TensorStore report it
-    as a ValueError 'RESOURCE_EXHAUSTED: ... No space left on device')."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def _free_bytes(path) -> int | None:
@@ -403,7 +390,7 @@ class Checkpointer:
     def _raise_if_disk_full(self, e: BaseException) -> None:
         """A save that failed for lack of space -> DiskFull (one line: where, how much is free,
         what to do), its partial files removed; anything else is left to the caller."""
-        if not _is_disk_full(e):
+        if not is_disk_full(e):
             return
         self._settle()   # no save left writing beside the removal
         removed = 0

@@ -10,6 +10,8 @@ code that catches those still works.
 """
 from __future__ import annotations
 
+import errno
+
 EXIT_USER_ERROR = 2
 
 
@@ -21,6 +23,18 @@ class PathError(UserError, FileNotFoundError):
     """A path in the config or on the command line that does not exist or cannot be read."""
 
 
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e` or an exception it was raised from is ENOSPC (orbax and TensorStore report it
+    as a ValueError 'RESOURCE_EXHAUSTED: ... No space left on device')."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def one_line(e: BaseException) -> str:
     """The message of `e` on one line (multi-line messages are joined with '; ')."""
     msg = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
@@ -28,4 +42,4 @@ def one_line(e: BaseException) -> str:
     return "; ".join(parts) if parts else type(e).__name__
 
 
-__all__ = ["UserError", "PathError", "EXIT_USER_ERROR", "one_line"]
+__all__ = ["UserError", "PathError", "EXIT_USER_ERROR", "one_line", "is_disk_full"]

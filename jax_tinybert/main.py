@@ -61,7 +61,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from jax_tinybert import (build, cli_diagnose, cli_help, config_check, mlm_head,  # noqa: E402
                           pipeline, preemption, sharding, train)
-from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
+from jax_tinybert.errors import EXIT_USER_ERROR, UserError, is_disk_full, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/demo.py "
@@ -185,6 +185,21 @@ def run(argv=None):
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.write(f"error: {one_line(e)}\n")
+        sys.stderr.flush()
+        sys.exit(EXIT_USER_ERROR)
+    except Exception as e:
+        # Out of disk outside a checkpoint save (the teacher cache, the export, the metrics):
+        # the environment's, not a bug; the files are written to temporaries and renamed, so
+        # nothing half-written is kept.
+        if not is_disk_full(e):
+            raise
+        if _wants_verbose(argv):
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.write(f"error: no space left on the device ({one_line(e)[:300]}); free "
+                         "space there or move the workdir (or the cache folder) to a larger "
+                         "disk, then rerun the same command: it resumes from the last "
+                         "checkpoint\n")
         sys.stderr.flush()
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:

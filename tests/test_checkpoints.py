@@ -640,7 +640,7 @@ class _caplog_warning:
 def test_disk_full_reported_by_orbax_becomes_one_line():
     """orbax/TensorStore report ENOSPC as a ValueError 'RESOURCE_EXHAUSTED: ... No space left
     on device', sometimes as the cause of another error; an OSError carries the errno."""
-    from jax_tinybert.checkpoints import _is_disk_full
+    from jax_tinybert.errors import is_disk_full as _is_disk_full
 
     ts = ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.2.0.count/0" in OCDBT database'
                     ': Failed to write 16961536 bytes to file 9: No space left on device '

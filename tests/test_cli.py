@@ -49,10 +49,10 @@ def cli(tmp_path_factory):
     env = tiny_run.env(**tiny_run.cache_env(compile_cache))
     env.pop("GLUE_DIR", None)
 
-    def run(args, timeout=600, **extra):
+    def run(args, timeout=600, module="jax_tinybert.main", **extra):
         e = dict(env, **extra)
-        return subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.main", *args], cwd=d, env=e,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([tiny_run.PYTHON] + (["-m", module] if module else []) + args,
+                              cwd=d, env=e, capture_output=True, text=True, timeout=timeout)
     return d, run
 
 
@@ -368,3 +368,26 @@ def test_resume_refuses_a_changed_teacher_or_train_set_then_resumes(cli):
     r = run(longer)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from step 2" in r.stdout
+
+
+def test_a_full_disk_while_exporting_is_one_line_and_the_rerun_finishes(cli):
+    """Out of space outside a checkpoint save (here the export at the end, after the last
+    checkpoint): one line naming the file and the fix, exit 2; the same command then finishes
+    from the saved step."""
+    d, run = cli
+    args = _with(FINETUNE, ["--workdir=runs/e"])
+    boom = ("import errno, sys\n"
+            "from jax_tinybert import main, train\n"
+            "def export_hf(*a, **k):\n"
+            "    raise OSError(errno.ENOSPC, 'No space left on device', 'runs/e/export/x')\n"
+            "train.export_hf = export_hf\n"
+            "sys.argv = ['jax-tinybert'] + sys.argv[1:]\n"
+            "main.run()\n")
+    r = run(["-c", boom, *args], module=None)
+    _one_line_error(r, "error: no space left on the device ([Errno 28] No space left on device: "
+                    "'runs/e/export/x'); free space there or move the workdir (or the cache "
+                    "folder) to a larger disk, then rerun the same command: it resumes from the "
+                    "last checkpoint")
+    r = run(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from step 2" in r.stdout and (d / "runs" / "e" / "export").is_dir()
