@@ -30,14 +30,20 @@ def _data(small, buckets=(16, 32, 64)):
 
 
 def _live_logits(small, params, ids):
-    """The teacher's logits of dataset rows `ids`, each forwarded alone at its own length."""
-    out = []
-    for i in ids:
-        a, b = small.ds.offsets[i], small.ds.offsets[i + 1]
-        x = np.asarray(small.ds.input_ids[a:b])[None]
-        o = small.model.apply({"params": params}, x, np.ones_like(x), np.zeros_like(x))
-        out.append(np.asarray(o.logits[0]))
-    return np.stack(out)
+    """The teacher's logits of dataset rows `ids`, each forwarded at its own length, no padding
+    and no mask (the rows of one length go in one batch: rows do not interact). Jitted: run op
+    by op, the model took ~1.3 s an example."""
+    fwd = jax.jit(lambda p, x: small.model.apply({"params": p}, x, np.ones(x.shape, np.int32),
+                                                 np.zeros(x.shape, np.int32)).logits)
+    ids = np.asarray(ids)
+    lens = small.ds.offsets[ids + 1] - small.ds.offsets[ids]
+    out = np.zeros((len(ids), small.model.config.num_labels), np.float32)
+    for n in np.unique(lens):
+        at = np.flatnonzero(lens == n)
+        x = np.stack([small.ds.input_ids[small.ds.offsets[i]:small.ds.offsets[i] + n]
+                      for i in ids[at]])
+        out[at] = np.asarray(fwd(params, x))
+    return out
 
 
 def _no_forward(monkeypatch):
