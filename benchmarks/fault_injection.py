@@ -15,6 +15,10 @@ data (tests/helpers/tiny_run.py: a 20-step run compiles and trains in seconds), 
    caught it (sha256 digests or an orbax read error) is reported.
 3. bad values: the CLI with out-of-range values; refused = non-zero exit, a one-line error
    naming the field, no workdir left behind.
+4. clashes with the environment: the same command started twice on one workdir, the teacher's
+   weights or the train labels changed in place between two segments of a run, a disk that
+   fills up (a small tmpfs, where one can be mounted). Handled = exit 2 with one line saying
+   what happened, before anything is written, and the same command resumes once it is fixed.
 
     .venv/bin/python benchmarks/fault_injection.py                 # ~5 min on 2 busy cores
     .venv/bin/python benchmarks/fault_injection.py --kills 6 --seed 1 --json out.json
@@ -32,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
@@ -272,6 +278,98 @@ def bad_values(teacher, cache, work):
     return rows
 
 
+# --------------------------------------------------------------------------- 4. clashes
+
+def _err(r) -> str:
+    lines = [l for l in (r.stderr + r.stdout).splitlines() if l.startswith("error: ")]
+    return lines[-1][:170] if lines else ""
+
+
+def _resumed(r):
+    got = [int(l.split()[3]) for l in r.stdout.splitlines() if l.startswith("resumed from step ")]
+    return got[0] if got else None
+
+
+def _row(case, r, needle, fix, rerun):
+    """One clash: refused (exit 2, one line holding `needle`), then `fix`ed and rerun."""
+    refused = r.returncode == 2 and needle in _err(r) and "Traceback" not in r.stderr
+    return dict(case=case, exit_code=r.returncode, message=_err(r), fix=fix,
+                rerun_exit=rerun.returncode, resumed_from=_resumed(rerun),
+                handled=bool(refused and rerun.returncode == 0 and _resumed(rerun)))
+
+
+def clashes(teacher, cache, work):
+    """What a user's environment does to a run: the same command twice, a teacher fine-tuned
+    again in place, labels fixed in the train file, a disk that fills up. Handled = refused in
+    one line (exit 2) before anything is written, and the same command resumes once fixed."""
+    from jax_tinybert.data import synthetic
+
+    rows, env = [], _env(cache)
+    # The same command twice: the second stops at once; the first goes on until SIGTERM.
+    wd, log = work / "twice", work / "twice.log"
+    p = subprocess.Popen([T.PYTHON, "-m", "slow_main", *_args(wd, teacher)],
+                         env=dict(env, JTB_TEST_STEP_SLEEP="2"), cwd=REPO,
+                         stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        T.wait_for(lambda: _last_step(wd) >= 1, RUN_TIMEOUT, p, "the first step")
+        second = _run(_args(wd, teacher), env)
+        still = p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=RUN_TIMEOUT)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    row = _row("the same command twice", second, "is in use by another run",
+               "SIGTERM the first", _run(_args(wd, teacher), env))
+    row["handled"] = row["handled"] and still
+    rows.append(row)
+    # The files behind the config's paths change between two segments of a distillation run.
+    glue = work / "glue"
+    synthetic.write_sst2_like(str(glue), 64, 16, seed=0)
+    tcopy = work / "teacher_copy"
+    shutil.copytree(teacher, tcopy)
+    dist = lambda wd, steps: T.train_args(wd, tcopy, steps=steps, checkpoint_every=CKPT_EVERY,
+                                          extra=("--config.data.kind=glue",
+                                                 f"--config.data.glue_dir={glue}"))
+    wd = work / "inputs"
+    assert _run(dist(wd, 10), env).returncode == 0
+    weights = tcopy / "model.safetensors"
+    original = weights.read_bytes()
+    from safetensors.numpy import load_file, save_file
+    t = load_file(str(weights))
+    t = {k: v + np.asarray(0.01, v.dtype) for k, v in t.items()}
+    save_file(t, str(weights), metadata={"format": "np"})
+    r = _run(dist(wd, 20), env)
+    weights.write_bytes(original)
+    rows.append(_row("teacher weights changed in place", r, "other teacher weights",
+                     "the old weights back", _run(dist(wd, 25), env)))
+    train = glue / "SST-2" / "train.tsv"
+    text = train.read_text()
+    head, *body = text.splitlines()
+    train.write_text("\n".join([head] + [b[:-1] + ("0" if b.endswith("1") else "1")
+                                         for b in body]) + "\n")
+    r = _run(dist(wd, 30), env)
+    train.write_text(text)
+    rows.append(_row("train labels changed in place", r, "other data", "the old file back",
+                     _run(dist(wd, 35), env)))
+    # A disk that fills up: a tmpfs with room for two checkpoints (root only).
+    disk = work / "disk"
+    disk.mkdir()
+    size = 30 << 20
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                      capture_output=True).returncode == 0:
+        try:
+            wd = disk / "wd"
+            r = _run(_args(wd, teacher), env)
+            moved = work / "moved"
+            shutil.copytree(wd, moved)
+            rows.append(_row("disk full (a 30 MB tmpfs)", r, "no room for the checkpoint",
+                             "workdir copied to a larger disk", _run(_args(moved, teacher), env)))
+        finally:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    return rows
+
+
 # --------------------------------------------------------------------------- report
 
 def _table(rows, cols):
@@ -287,9 +385,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
-    ap.add_argument("--sections", default="kills,damage,bad",
-                    help="comma-separated subset of kills,damage,bad (damage needs kills' "
-                         "straight run, which is made anyway)")
+    ap.add_argument("--sections", default="kills,damage,bad,clashes",
+                    help="comma-separated subset of kills,damage,bad,clashes (damage needs "
+                         "kills' straight run, which is made anyway)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     work = pathlib.Path(tempfile.mkdtemp(prefix="jtb_faults_"))
@@ -301,6 +399,7 @@ def main():
         straight, k = kills(teacher, cache, work, a.kills if "kills" in want else 0, rng)
         d = damage(straight, work, rng) if "damage" in want else []
         b = bad_values(teacher, cache, work) if "bad" in want else []
+        c = clashes(teacher, cache, work) if "clashes" in want else []
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -313,10 +412,13 @@ def main():
                      "caught_by", "moved_aside", "outcome"]))
     print(f"\n## Bad values ({sum(r['refused'] for r in b)}/{len(b)} refused)\n")
     print(_table(b, ["flag", "exit_code", "refused", "message"]))
+    print(f"\n## Clashes ({sum(r['handled'] for r in c)}/{len(c)} refused, then resumed)\n")
+    print(_table(c, ["case", "exit_code", "message", "fix", "rerun_exit", "resumed_from",
+                     "handled"]))
     print(f"\n{time.time() - t0:.0f} s")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"kills": k, "damage": d, "bad_values": b}, fh, indent=1)
+            json.dump({"kills": k, "damage": d, "bad_values": b, "clashes": c}, fh, indent=1)
 
 
 if __name__ == "__main__":
