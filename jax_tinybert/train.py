@@ -239,9 +239,15 @@ def _restore(ckpt: Checkpointer, run: build.Run, state, workdir: str,
 
 def _announce(run: build.Run) -> None:
     c, m = run.config, run.models
+    # The architecture as built: with student.init='pretrained' it is the export's, whatever
+    # config.student's size fields say.
+    arch = lambda cfg: f"{cfg.num_hidden_layers}L-H{cfg.hidden_size} "
     print(f"[{c.stage}] objective={run.objective.name} "
-          f"student={count_params(m.student_params):,} params, "
-          f"teacher={count_params(m.teacher_params) if m.teacher_params else 0:,} params; "
+          f"student={arch(m.student_config)}{count_params(m.student_params):,} params"
+          + (f" (from {c.student.path or c.teacher.path})" if c.student.init == "pretrained"
+             else f" ({c.student.init})") + ", "
+          f"teacher={arch(m.teacher_config) if m.teacher_params else ''}"
+          f"{count_params(m.teacher_params) if m.teacher_params else 0:,} params; "
           f"{run.total_steps} steps of {c.train.batch_size} on {jax.device_count()} "
           f"device(s) (mesh {dict(run.mesh.shape)}), "
           f"{run.data.train_batches.steps_per_epoch} steps/epoch", flush=True)
