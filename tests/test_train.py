@@ -335,3 +335,23 @@ def test_dtype_hint_names_the_faster_setting():
     assert train.dtype_hint("gpu", ["bfloat16", "bfloat16"]) is None
     assert train.dtype_hint("gpu", ["bfloat16"]) is None   # fine-tuning: no teacher
     assert train.dtype_hint("tpu", ["float32", "float32"]) is None
+
+
+def test_a_large_train_set_is_fingerprinted_from_runs_of_its_tokens(monkeypatch):
+    """Above FULL_FINGERPRINT_TOKENS the train data's digest reads 256 evenly spaced runs of
+    tokens (plus all offsets and labels): a change inside a run shows, one between runs not."""
+    from jax_tinybert.teacher_cache import arrays_fingerprint
+
+    monkeypatch.setattr(train, "FULL_FINGERPRINT_TOKENS", 1024)
+    ids = np.arange(10_000, dtype=np.int32)
+    s = train._token_sample(ids)
+    # 256 runs of 4 tokens starting at round-down(k * 9,996 / 255): 0, 39, ... 9,996.
+    assert len(s) == 1024 and list(s[:8]) == [0, 1, 2, 3, 39, 40, 41, 42] and s[-1] == 9_999
+    fp = arrays_fingerprint(train._token_sample(ids))
+    inside, between = ids.copy(), ids.copy()
+    inside[40] += 1
+    between[20] += 1
+    assert arrays_fingerprint(train._token_sample(inside)) != fp
+    assert arrays_fingerprint(train._token_sample(between)) == fp
+    small = np.arange(100, dtype=np.int32)
+    assert train._token_sample(small) is small and train._token_sample(None) is None
