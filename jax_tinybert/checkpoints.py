@@ -367,7 +367,7 @@ class Checkpointer:
         free = _free_bytes(directory)
         if free is None or free >= need:
             return
-        self._settle()
+        self.settle()
         free = _free_bytes(directory)
         if free >= need:
             return
@@ -378,7 +378,7 @@ class Checkpointer:
             "workdir to a larger disk, then rerun the same command: it resumes from "
             + (f"step {last}, the last checkpoint" if last is not None else "the start"))
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Waits for every save in flight, ignoring its failure (the caller reports its own)."""
         for mngr in (self._mngr, self._best_mngr):
             try:
@@ -392,7 +392,7 @@ class Checkpointer:
         what to do), its partial files removed; anything else is left to the caller."""
         if not is_disk_full(e):
             return
-        self._settle()   # no save left writing beside the removal
+        self.settle()   # no save left writing beside the removal
         removed = 0
         if jax.process_index() == 0 and not fs.is_remote(os.fspath(self.directory)):
             # Only this run writes here (workdir_lock): an unfinished step is this run's.

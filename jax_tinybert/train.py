@@ -116,10 +116,15 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
                 meta["best"] = best
                 if improved:
                     ckpt.save_best(step, state, meta, ev["main"])
-            _save_and_maybe_stop(ckpt, preemption, writer, step, run.total_steps, state, metrics,
-                                 meta, workdir)
+            _save_and_maybe_stop(config, ckpt, preemption, writer, step, run.total_steps,
+                                 state, metrics, meta, workdir)
         ckpt.wait()
-    except BaseException:
+    except BaseException as e:
+        # The saves in flight finish (and their orbax threads end) before the process does:
+        # the last checkpoint stays usable, and no thread prints into the exit. Not after a
+        # second Ctrl-C, which means now.
+        if not isinstance(e, KeyboardInterrupt):
+            ckpt.settle()
         # A bucket workdir gets the metrics so far (locally they are on disk already).
         if writer is not None:
             writer.upload(quiet=True)
@@ -311,9 +316,7 @@ class _TrainLog:
         m["examples_per_s"] = self.examples / dt
         m["tokens_per_s"] = self.tokens / dt
         self.t_last, self.examples, self.tokens = now, 0, 0
-        if not all(math.isfinite(v) for v in m.values()):
-            raise FloatingPointError(f"non-finite metrics at step {step}: {m}; lower "
-                                     "config.optim.learning_rate or check the data")
+        check_finite(self.run.config, step, m)
         if record:
             self.writer.write(step, m, prefix="train")
             self.last = m
@@ -372,15 +375,38 @@ def _record_eval(step: int, ev: Dict[str, float], best: Optional[dict], improved
     return best
 
 
-def _save_and_maybe_stop(ckpt: Checkpointer, preemption: Preemption, writer: MetricsWriter,
-                         step: int, total: int, state, metrics, meta: dict, workdir: str) -> None:
+class NonFiniteLoss(UserError, FloatingPointError):
+    """The loss or the gradient norm became inf / NaN: the run stops, saving nothing more."""
+
+
+def check_finite(config, step: int, metrics: Dict[str, float]) -> None:
+    """Raises NonFiniteLoss when a metric of `step` (host floats) is inf or NaN."""
+    bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+    if bad:
+        raise NonFiniteLoss(
+            f"non-finite {', '.join(f'{k}={v}' for k, v in bad.items())} at step {step}; nothing "
+            "from this step on is saved (the checkpoints so far are finite); rerun with a lower "
+            f"config.optim.learning_rate (now {config.optim.learning_rate:g}) in a new --workdir, "
+            "or check the data")
+
+
+def _save_and_maybe_stop(config, ckpt: Checkpointer, preemption: Preemption,
+                         writer: MetricsWriter, step: int, total: int, state, metrics, meta: dict,
+                         workdir: str) -> None:
     """The periodic / final checkpoint; on a preemption (agreed by every process, within a
-    step or two of the signal), a final save and `Preempted`."""
+    step or two of the signal), a final save and `Preempted`. A step whose metrics (loss,
+    gradient norm) are not finite is never saved, logged or not."""
+    def finite():   # the save reads the state back anyway: this sync costs nothing more
+        check_finite(config, step, {k: float(v) for k, v in jax.device_get(metrics).items()})
+
+    if step == total or step % ckpt.save_interval_steps == 0:
+        finite()
     if step == total:
         ckpt.save(step, state, meta, force=True)
     else:
         ckpt.maybe_save(step, state, meta)
     if preemption.poll(step, metrics["loss"]):
+        finite()
         ckpt.save(step, state, meta, force=True)
         ckpt.close()
         writer.close()

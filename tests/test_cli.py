@@ -391,3 +391,27 @@ def test_a_full_disk_while_exporting_is_one_line_and_the_rerun_finishes(cli):
     r = run(args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from step 2" in r.stdout and (d / "runs" / "e" / "export").is_dir()
+
+
+def test_a_diverging_run_stops_in_one_line_and_saves_no_nan(cli):
+    """A learning rate far too high: the loss turns NaN between two logged steps. The run stops
+    with one line naming the metric, the step and the fix, exit 2, and every checkpoint it
+    left is finite (the step's check comes before its save, logged or not)."""
+    d, run = cli
+    args = _with(FINETUNE, ["--workdir=runs/nan", "--config.optim.learning_rate=1e4",
+                            "--config.train.num_steps=30", "--config.train.log_every=100",
+                            "--config.train.checkpoint_every=1", "--config.train.max_to_keep=30"])
+    r = run(args)
+    err = _one_line_error(r, "error: non-finite ", "nothing from this step on is saved (the "
+                          "checkpoints so far are finite); rerun with a lower "
+                          "config.optim.learning_rate (now 10000) in a new --workdir")
+    bad_step = int(re.search(r"at step (\d+);", err).group(1))
+    assert "loss=nan" in err and 1 < bad_step < 30, err
+    steps = sorted(int(p.name) for p in (d / "runs" / "nan" / "checkpoints").iterdir()
+                   if p.name.isdigit())
+    assert steps and steps[-1] == bad_step - 1, (steps, bad_step)
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(tiny_run.restore_state(d / "runs" / "nan", steps[-1]))
+    floats = [np.asarray(x) for x in leaves if np.issubdtype(np.asarray(x).dtype, np.floating)]
+    assert floats and all(np.isfinite(x).all() for x in floats)
