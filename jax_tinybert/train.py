@@ -122,8 +122,9 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
     except BaseException as e:
         # The saves in flight finish (and their orbax threads end) before the process does:
         # the last checkpoint stays usable, and no thread prints into the exit. Not after a
-        # second Ctrl-C, which means now.
-        if not isinstance(e, KeyboardInterrupt):
+        # second Ctrl-C, which means now, nor with several processes, where a save in flight
+        # may wait for a process that is gone.
+        if not isinstance(e, KeyboardInterrupt) and jax.process_count() == 1:
             ckpt.settle()
         # A bucket workdir gets the metrics so far (locally they are on disk already).
         if writer is not None:
