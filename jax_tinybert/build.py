@@ -18,11 +18,11 @@ Everything that trains, plans or benchmarks a step goes through `build_step`, so
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
-import shutil
 import tempfile
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -90,6 +90,13 @@ class Models:
     teacher_config: Optional[BertConfig]
     teacher_params: Optional[dict]
     tokenizer_dir: str
+
+    @functools.cached_property
+    def teacher_fingerprint(self) -> Optional[str]:
+        """`teacher_cache.params_fingerprint` of the teacher's params, hashed once a run (the
+        checkpoints' input record and the teacher cache both read it); None without one."""
+        return (None if self.teacher_params is None
+                else teacher_cache.params_fingerprint(self.teacher_params))
 
 
 def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
@@ -477,12 +484,7 @@ def uses_teacher_cache(config, objective: objectives.Objective) -> bool:
 def _local_disk(workdir: str) -> str:
     """The local folder whose disk a cache under `workdir` is written to (a bucket workdir's
     files are staged in the temp dir first)."""
-    if fs.is_remote(workdir):
-        return tempfile.gettempdir()
-    p = os.path.abspath(workdir)
-    while not os.path.isdir(p):   # a workdir not created yet
-        p = os.path.dirname(p)
-    return p
+    return tempfile.gettempdir() if fs.is_remote(workdir) else fs.existing_dir(workdir)
 
 
 # 'auto' caches the per-token teacher outputs of runs longer than this many epochs. Measured on
@@ -514,7 +516,7 @@ def token_cache_plan(config, objective: objectives.Objective, data: Data, total:
     lens = batching.assign_buckets(data.train_dataset.lengths[rows], data.train_batches.buckets)
     T = np.asarray(data.train_batches.buckets, np.int64)[lens]
     need = teacher_cache.token_cache_bytes(objective, T, config.teacher.cache_dtype)
-    free = shutil.disk_usage(_local_disk(workdir)).free
+    free = fs.free_bytes(_local_disk(workdir))
     limit = min(config.teacher.cache_max_gb * 1e9, 0.8 * free)
     if need > limit:
         why = (f"the teacher's per-token outputs of {len(rows):,} rows need {need / 1e9:.1f} GB, "

@@ -82,14 +82,8 @@ class DiskFull(UserError, OSError):
 
 
 def _free_bytes(path) -> int | None:
-    """Free bytes on the local disk holding `path` (its nearest existing parent); None for a
-    bucket."""
-    p = os.path.abspath(os.fspath(path))
-    if fs.is_remote(os.fspath(path)):
-        return None
-    while not os.path.exists(p) and os.path.dirname(p) != p:
-        p = os.path.dirname(p)
-    return shutil.disk_usage(p).free
+    """Free bytes on the local disk holding `path`; None for a bucket."""
+    return None if fs.is_remote(os.fspath(path)) else fs.free_bytes(path)
 
 
 def _mb(n: float) -> str:
@@ -101,7 +95,8 @@ _SLACK = 16 << 20
 
 
 def state_bytes(state) -> int:
-    """Bytes a checkpoint of `state` writes uncompressed (every leaf, all shards together)."""
+    """Bytes of a pytree's arrays (or ShapeDtypeStructs), all shards together: what a
+    checkpoint of `state` writes uncompressed."""
     return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                    for x in jax.tree_util.tree_leaves(state) if hasattr(x, "shape")))
 

@@ -191,6 +191,20 @@ def getsize(path) -> int:
     return _epath(path).stat().length if is_remote(path) else os.path.getsize(path)
 
 
+def existing_dir(path) -> str:
+    """The local folder `path` is, or the nearest one above it that exists (for a path not
+    created yet: the folder whose disk it will be written to)."""
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.isdir(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
+
+
+def free_bytes(path) -> int:
+    """Free bytes on the local disk that holds (or will hold) `path`."""
+    return shutil.disk_usage(existing_dir(path)).free
+
+
 def makedirs(path) -> None:
     """os.makedirs(exist_ok=True); a no-op on object stores (folders are key prefixes)."""
     if not is_remote(path):

@@ -180,26 +180,22 @@ def run(argv=None):
         sys.exit(0)
     try:
         app.run(main, argv=argv, flags_parser=_parse_flags)
-    except UserError as e:
-        if _wants_verbose(argv):
-            traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.write(f"error: {one_line(e)}\n")
-        sys.stderr.flush()
-        sys.exit(EXIT_USER_ERROR)
     except Exception as e:
-        # Out of disk outside a checkpoint save (the teacher cache, the export, the metrics):
-        # the environment's, not a bug; the files are written to temporaries and renamed, so
-        # nothing half-written is kept.
-        if not is_disk_full(e):
+        if isinstance(e, UserError):
+            message = one_line(e)
+        elif is_disk_full(e):
+            # Out of disk outside a checkpoint save (the teacher cache, the export, the
+            # metrics): the environment's, not a bug; files are written to temporaries and
+            # renamed, so nothing half-written is kept.
+            message = (f"no space left on the device ({one_line(e)[:300]}); free space there "
+                       "or move the workdir (or the cache folder) to a larger disk, then rerun "
+                       "the same command: it resumes from the last checkpoint")
+        else:
             raise
         if _wants_verbose(argv):
             traceback.print_exc()
         sys.stdout.flush()
-        sys.stderr.write(f"error: no space left on the device ({one_line(e)[:300]}); free "
-                         "space there or move the workdir (or the cache folder) to a larger "
-                         "disk, then rerun the same command: it resumes from the last "
-                         "checkpoint\n")
+        sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:

@@ -35,6 +35,7 @@ import ml_collections
 import numpy as np
 
 from jax_tinybert import build, config_base
+from jax_tinybert.checkpoints import state_bytes
 from jax_tinybert import sharding as shd
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
 
@@ -138,11 +139,6 @@ def build_step(teacher_cfg, student_cfg, *, mesh=None, **options):
     return step.train_step, step.abstract_state, step.abstract_teacher, obj, cached
 
 
-def tree_bytes(tree) -> int:
-    return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                   for x in jax.tree_util.tree_leaves(tree)))
-
-
 def per_device_bytes(tree) -> int:
     """Bytes of the largest per-device shard of a pytree of ShapeDtypeStructs with shardings."""
     total = 0
@@ -181,8 +177,8 @@ def plan_one(teacher: str, student: str, *, batch: int, seq_len: int, mesh_spec:
         "teacher": teacher if isinstance(teacher, str) else "custom",
         "student": student if isinstance(student, str) else "custom", "objective": objective, "batch": batch,
         "seq_len": seq_len, "devices": n, "mesh": dict(mesh.shape), "grad_accum": grad_accum,
-        "student_params": tree_bytes(state_abs.params["student"]) // 4,
-        "teacher_params": tree_bytes(teacher_abs) // 4 if teacher_abs is not None else 0,
+        "student_params": state_bytes(state_abs.params["student"]) // 4,
+        "teacher_params": state_bytes(teacher_abs) // 4 if teacher_abs is not None else 0,
         "state_bytes_per_device": per_device_bytes(state_abs),
         "teacher_bytes_per_device": per_device_bytes(teacher_abs) if teacher_abs is not None else 0,
         "batch_bytes_per_device": per_device_bytes(batch_abs),

@@ -575,7 +575,9 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     n = len(ds)
     tok = tokenize.load_data_tokenizer(models.tokenizer_dir)
     fingerprint = {
-        "teacher": params_fingerprint(models.teacher_params),
+        # build.Models hashes its teacher once a run; other `models` (tests) are hashed here.
+        "teacher": (getattr(models, "teacher_fingerprint", None)
+                    or params_fingerprint(models.teacher_params)),
         "teacher_model": f"{type(models.teacher).__name__}:"
                          f"{getattr(models.teacher, 'dtype', None)}",
         "teacher_config": models.teacher_config.to_dict(),

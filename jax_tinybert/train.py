@@ -196,8 +196,8 @@ def input_fingerprints(run: build.Run) -> Dict[str, str]:
     "teacher" (a digest of the teacher's weights, for the stages that read them) and
     "train_data" (of the train set's token ids, segments, offsets and labels)."""
     out = {}
-    if run.models.teacher_params is not None:
-        out["teacher"] = teacher_cache.params_fingerprint(run.models.teacher_params)
+    if run.models.teacher_fingerprint is not None:
+        out["teacher"] = run.models.teacher_fingerprint
     ds = run.data.train_dataset
     ids, offsets = getattr(ds, "input_ids", None), getattr(ds, "offsets", None)
     if ids is not None and offsets is not None:
