@@ -491,21 +491,31 @@ def _local_disk(workdir: str) -> str:
 # SST-2 (benchmarks/RESULTS.md): the build adds ~140 s to the first epoch and saves ~120 s on
 # each later one, so a 2-epoch run is a wash (1,259 vs 1,237 s) and 3 epochs win.
 AUTO_CACHE_EPOCHS = 2
+# ... on CPU only. On an accelerator the teacher's forward in the step costs less than reading
+# its outputs back from disk and copying them in: SST-2 through the CLI on one H200, 7.4 ms a
+# step with the teacher live against 11.7 ms from the cache, which also took a 16 s build and
+# 14.3 GB of disk (benchmarks/RESULTS.md, session 28).
+AUTO_CACHE_BACKENDS = ("cpu",)
 
 
 def token_cache_plan(config, objective: objectives.Objective, data: Data, total: int,
                      workdir: str) -> Tuple[bool, str]:
     """Whether this run caches the teacher's per-token outputs (intermediate stage), and why.
 
-    teacher.cache_tokens: 'auto' caches when the run is longer than AUTO_CACHE_EPOCHS epochs
-    (total > AUTO_CACHE_EPOCHS x steps_per_epoch: the teacher forward of every later epoch is
-    saved, which pays for the build from the third epoch on) and the cache fits teacher.cache_max_gb and 80% of the
-    free disk; 'always' whenever it fits; 'never'.
+    teacher.cache_tokens: 'auto' caches on CPU (AUTO_CACHE_BACKENDS) when the run is longer
+    than AUTO_CACHE_EPOCHS epochs (total > AUTO_CACHE_EPOCHS x steps_per_epoch: the teacher
+    forward of every later epoch is saved, which pays for the build from the third epoch on) and
+    the cache fits teacher.cache_max_gb and 80% of the free disk; 'always' whenever it fits;
+    'never'.
     """
     mode = config.teacher.cache_tokens
     if (mode == "never" or not objective.teacher_token_cacheable or config.teacher.dropout
             or not isinstance(data.train_dataset, tokenize.EncodedDataset)):
         return False, "not cacheable" if mode != "never" else "teacher.cache_tokens='never'"
+    backend = jax.default_backend()
+    if mode == "auto" and backend not in AUTO_CACHE_BACKENDS:
+        return False, (f"on {backend} the teacher's forward in the step is faster than reading "
+                       "its outputs from disk (--config.teacher.cache_tokens=always to cache)")
     spe = data.train_batches.steps_per_epoch
     if mode == "auto" and total <= AUTO_CACHE_EPOCHS * spe:
         return False, (f"{total} steps are at most {AUTO_CACHE_EPOCHS} epochs of {spe} steps: "

@@ -53,7 +53,8 @@ def base_config() -> ml_collections.ConfigDict:
         dropout=False,           # True reproduces the official code (teacher left in train mode)
         cache=True,              # pred/kd/pkd stages: precompute teacher outputs once
         # Intermediate stage: cache the teacher's attention logits + hidden states (large):
-        # auto = runs of more than 2 epochs (build.AUTO_CACHE_EPOCHS), always, never.
+        # auto = runs of more than 2 epochs (build.AUTO_CACHE_EPOCHS) on CPU (on a GPU/TPU the
+        # teacher runs faster in the step), always, never.
         cache_tokens="auto",
         cache_dtype="float16",   # of the per-token cache: float16 (half the disk) | float32 (exact)
         cache_max_gb=32.0,       # auto/always: the per-token cache's size limit

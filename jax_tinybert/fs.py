@@ -44,7 +44,7 @@ import socket
 import tempfile
 import time
 import uuid
-from typing import IO, Any, Iterator, List, Optional, Sequence
+from typing import IO, Any, Iterator, List, Mapping, Optional, Sequence
 
 from etils import epath
 
@@ -82,9 +82,10 @@ class RemoteFSError(OSError):
 _OFF = ("0", "off", "false", "no", "none", "")
 
 
-def env_off(name: str) -> bool:
-    """Whether environment variable `name` is set to off (0/off/false/no/none/empty)."""
-    v = os.environ.get(name)
+def env_off(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether environment variable `name` (of `environ`, default os.environ) is set to off
+    (0/off/false/no/none/empty)."""
+    v = (os.environ if environ is None else environ).get(name)
     return v is not None and v.strip().lower() in _OFF
 
 

@@ -13,11 +13,13 @@ and tokenised GLUE splits in ~/.cache/jax_tinybert/tokens (JTB_TOKEN_STORE=DIR o
 On glibc the command restarts itself once with the allocator XLA's CPU steps run fastest under
 (jax_tinybert/malloc.py: tcmalloc where installed, else glibc's malloc with tuned settings),
 unless the environment has its own (JTB_MALLOC=glibc: no tcmalloc; off: never).
+On a GPU, XLA compiles without autotuning its GEMMs (~20 s a program instead of ~2 min;
+jax_tinybert/xla_flags.py): JTB_GPU_AUTOTUNE=1 keeps XLA's defaults.
 """
 import os
 import sys
 
-from jax_tinybert import fs, malloc
+from jax_tinybert import fs, malloc, xla_flags
 
 if __name__ == "__main__":
     malloc.restart_command()   # before JAX is imported (jax_tinybert/cli.py: the same)
@@ -43,6 +45,11 @@ def _early_env() -> None:
     if root and not fs.env_off("JTB_COMPILE_CACHE"):
         to_jax["jax_compilation_cache_dir"] = os.environ.setdefault(
             "JAX_COMPILATION_CACHE_DIR", os.path.join(root, "xla"))
+    # XLA's GPU defaults autotune every GEMM at compile time, ~2 min a program (xla_flags.py).
+    flags = os.environ.get("XLA_FLAGS", "")
+    fast = xla_flags.with_gpu_fast_compile(flags)
+    if fast != flags:
+        os.environ["XLA_FLAGS"] = fast
     if "jax" in sys.modules:
         for name, value in to_jax.items():
             sys.modules["jax"].config.update(name, value)
@@ -145,6 +152,8 @@ def main(argv):
                         "loads the previous stage's export from it); run the stages one by one "
                         "with gs:// workdirs, or pass a local folder")
     logging.getLogger("jax_tinybert").info("allocator: %s", malloc.allocator())
+    if jax.default_backend() == "gpu":
+        logging.getLogger("jax_tinybert").info(xla_flags.gpu_note(os.environ.get("XLA_FLAGS", "")))
     try:
         if config.stage == "demo":
             pipeline.run_demo(config, FLAGS.workdir)

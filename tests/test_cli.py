@@ -214,6 +214,33 @@ def test_cli_environment_defaults_reach_jax(tmp_path):
     assert r.stdout.split() == ["None", "cpu", "3"], r.stderr
 
 
+def test_the_cli_compiles_for_a_gpu_without_autotuning_unless_asked():
+    """XLA's GPU defaults took ~2 min a program (an H200, benchmarks/RESULTS.md): the CLI's
+    process starts with the two fast-compile flags, a user's own value of either wins, and
+    JTB_GPU_AUTOTUNE=1 leaves XLA_FLAGS as it was. The CPU backend starts with them."""
+    code = ("import os, jax_tinybert.main, jax; print(os.environ.get('XLA_FLAGS'), "
+            "jax.device_count(), sep='|')")
+
+    def flags(**extra):
+        env = _env_without("XLA_FLAGS", "JTB_GPU_AUTOTUNE", **extra)
+        r = subprocess.run([tiny_run.PYTHON, "-c", code], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip().split("|")
+
+    fast = "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
+    assert flags() == [fast, "1"]
+    assert flags(JTB_GPU_AUTOTUNE="0") == [fast, "1"]
+    assert flags(XLA_FLAGS="--xla_gpu_autotune_level=4") == [
+        "--xla_gpu_autotune_level=4 --xla_gpu_enable_triton_gemm=false", "1"]
+    assert flags(JTB_GPU_AUTOTUNE="1") == ["None", "1"]
+    assert flags(JTB_GPU_AUTOTUNE="1", XLA_FLAGS="--xla_cpu_enable_fast_math=false") == [
+        "--xla_cpu_enable_fast_math=false", "1"]
+    # Beside the simulated devices' flag, which main.py adds too.
+    out = flags(JTB_CPU_DEVICES="2")
+    assert out[1] == "2" and "--xla_gpu_autotune_level=0" in out[0], out
+
+
 _MALLOC_VARS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                 "GLIBC_TUNABLES", "JTB_MALLOC", "JTB_MALLOC_REEXEC", "LD_PRELOAD", "JTB_TCMALLOC",
                 "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", "TCMALLOC_RELEASE_RATE")

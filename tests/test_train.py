@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -213,6 +214,12 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
     assert plan(2 * spe)[0] == (False, f"{2 * spe} steps are at most 2 epochs of {spe} steps: "
                                 "building the cache would not pay back")
     assert plan(2 * spe + 1)[0][0] and plan(spe, cache_tokens="always")[0][0]
+    # On an accelerator 'auto' keeps the teacher in the step (faster there); 'always' caches.
+    with mock.patch.object(build.jax, "default_backend", return_value="gpu"):
+        assert plan(7)[0] == (False, "on gpu the teacher's forward in the step is faster than "
+                              "reading its outputs from disk (--config.teacher.cache_tokens="
+                              "always to cache)")
+        assert plan(7, cache_tokens="always")[0][0]
     (use, why), _ = plan(7, cache_max_gb=1e-6)
     assert not use and why.endswith("the teacher runs in every step")
     with pytest.raises(train.ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
