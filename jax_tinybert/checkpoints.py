@@ -55,6 +55,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from typing import Any, Mapping
 
 import jax
@@ -68,6 +69,45 @@ from jax_tinybert.coordination import Coordinator
 from jax_tinybert.errors import UserError, is_disk_full
 
 log = logging.getLogger(__name__)
+
+
+class _OrbaxDiskFullReports(logging.Filter):
+    """Drops orbax's own ERROR reports of a full disk: each of its save threads logs the ENOSPC
+    with a traceback (~320 lines for one failed save), and the save then raises DiskFull, one
+    line. Kept with --verbose (this package's logger at DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+                or log.isEnabledFor(logging.DEBUG)):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ((exc is not None and is_disk_full(exc))
+                    or "No space left on device" in record.getMessage())
+
+
+_ORBAX_DISK_FULL_REPORTS = _OrbaxDiskFullReports()
+
+
+_previous_unraisablehook = None
+
+
+def _quiet_closed_loop(unraisable) -> None:
+    """sys.unraisablehook that drops TensorStore's 'Event loop is closed' (a write callback
+    arriving after orbax closed the loop of a save that failed, printed as a bare traceback from
+    C++), unless --verbose; everything else goes to the hook it replaced."""
+    if not (isinstance(unraisable.exc_value, RuntimeError) and unraisable.object is None
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and not log.isEnabledFor(logging.DEBUG)):
+        (_previous_unraisablehook or sys.__unraisablehook__)(unraisable)
+
+
+def _quiet_orbax_failures() -> None:
+    """Installs the two filters above, once per process."""
+    global _previous_unraisablehook
+    logging.getLogger("absl").addFilter(_ORBAX_DISK_FULL_REPORTS)   # a set: added once
+    if sys.unraisablehook is not _quiet_closed_loop:
+        _previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _quiet_closed_loop
 
 __all__ = ["Checkpointer", "abstract_like", "DiskFull", "state_bytes", "check_free_space"]
 
@@ -191,6 +231,7 @@ class Checkpointer:
         self._coord = Coordinator(
             "jtb_ckpt_" + hashlib.sha1(os.fspath(self.workdir).encode()).hexdigest()[:10])
         self._digesters: dict[int, digests.Digester] = {}
+        _quiet_orbax_failures()
 
         self._mngr = self._make_manager(
             self.workdir / "checkpoints",

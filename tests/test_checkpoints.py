@@ -686,3 +686,32 @@ def test_a_disk_filling_up_mid_write_stops_with_one_line(tiny_disk, monkeypatch)
                           "while writing a checkpoint"), msg
     assert msg.endswith("it resumes from the start (no checkpoint was completed)"), msg
     assert not [p for p in (tiny_disk / "wd" / "checkpoints").iterdir() if "tmp" in p.name]
+
+
+def test_orbax_reports_of_a_full_disk_are_one_line_unless_verbose(tiny_disk):
+    """orbax's save threads each log the ENOSPC with a traceback and TensorStore prints 'Event
+    loop is closed' (~320 lines for one failed save): a process sees only DiskFull's line; with
+    this package's logger at DEBUG (--verbose) the reports are all there."""
+    code = """
+        import logging, sys
+        import jax.numpy as jnp
+        from jax_tinybert import checkpoints as C
+        if sys.argv[2] == "verbose":
+            logging.getLogger("jax_tinybert").setLevel(logging.DEBUG)
+        C._free_bytes = lambda path: 10 ** 12     # the space check sees room
+        st = {"w": jnp.ones((1200, 1000), jnp.float32)}   # 4.8 MB on a 4 MB disk
+        ck = C.Checkpointer(sys.argv[1], max_to_keep=2, save_interval_steps=1)
+        try:
+            ck.save(1, st, {"data": {}})
+            ck.wait()
+        except C.DiskFull as e:
+            print("DiskFull:", e)
+    """
+    quiet = run_sub(code, tiny_disk / "quiet", "quiet")
+    lines = (quiet.stdout + quiet.stderr).splitlines()
+    assert quiet.returncode == 0 and len(lines) == 1, quiet.stdout + quiet.stderr
+    assert lines[0].startswith("DiskFull: no space left on the disk of"), lines
+    verbose = run_sub(code, tiny_disk / "verbose", "verbose")
+    out = verbose.stdout + verbose.stderr
+    assert verbose.returncode == 0 and out.count("Traceback") >= 4, out
+    assert "No space left on device" in verbose.stderr and "DiskFull: no space" in verbose.stdout
