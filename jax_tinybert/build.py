@@ -208,10 +208,13 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
 # Auto `data.bucket_compile_steps`: one bucket's compilations (train step, eval step, teacher
 # forward) in train steps at length COMPILE_STEPS_LEN. A compilation takes about as long at any
 # length while a step grows with it, hence a fixed reference length: on 2 CPU cores (MiniLM-L6
-# -> TinyBERT4, benchmarks/compile_cost.py) 7-14 steps at 64 = 3-7 at 128; an H100 compiles
-# for 18-116 s a step of 4-7 ms (RESULTS.md).
+# -> TinyBERT4, benchmarks/compile_cost.py) 7-14 steps at 64 = 3-7 at 128. On an H200 through
+# the CLI (session 28, the fast-compile flags of xla_flags.py): 12.7-23.8 s a train program
+# (17 s mean) + 3.1-3.9 s an eval program, steps at length 64 and batch 32 of 7.4-9.9 ms
+# (~8.3 ms): ~2,400 steps; and a bucket compiling in the background stalled the first of its
+# batches for 12-18 s. SST-2, one epoch: one bucket (64,) instead of (24, 64).
 AUTO_COMPILE_STEPS = {"cpu": 8.0}
-AUTO_COMPILE_STEPS_ACCELERATOR = 1000.0
+AUTO_COMPILE_STEPS_ACCELERATOR = 2000.0
 COMPILE_STEPS_LEN = 64
 
 

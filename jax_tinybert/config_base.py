@@ -78,7 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
                                  # length histogram (batching.choose_buckets)
         bucket_compile_steps=-1.0,  # buckets=(): what one bucket's compilations cost, in train
                                  # steps at length 64; fewer buckets when a run is short.
-                                 # -1 = auto: 8 on CPU, 1000 on GPU/TPU (benchmarks/compile_cost.py,
+                                 # -1 = auto: 8 on CPU, 2000 on GPU/TPU (benchmarks/compile_cost.py,
                                  # RESULTS.md); 0 = compiling is free (the most buckets that pay)
         train_subset=0, eval_subset=0,   # 0 = all; else N (seeded shuffle; only those tokenized)
         corpus="",               # files/folders of plain text for kind=corpus
