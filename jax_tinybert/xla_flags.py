@@ -7,12 +7,15 @@ CLI reached its first step after 138 s, 122 s of it compiling one program, again
 program with the flags below; the whole one-epoch run took 81 s with them. The steps run as
 fast at batch 32 and up to 15% slower at batch 256 (benchmarks/RESULTS.md, "XLA flags"), so a
 long run at large batches may prefer XLA's defaults: JTB_GPU_AUTOTUNE=1 keeps them. The flags
-only concern the GPU compiler; CPU and TPU runs parse and ignore them.
+are added only where a GPU can be used (`gpu_possible`): XLA_FLAGS is part of JAX's compile cache
+key, so a CPU-only machine keeps its cache and its flags as they were.
 """
 from __future__ import annotations
 
+import glob
 import os
-from typing import Mapping, Optional
+import sys
+from typing import Iterable, Mapping, Optional
 
 from jax_tinybert import fs
 
@@ -31,10 +34,35 @@ def wants_autotune(environ: Optional[Mapping[str, str]] = None) -> bool:
     return env.get(AUTOTUNE_ENV) is not None and not fs.env_off(AUTOTUNE_ENV, env)
 
 
-def with_gpu_fast_compile(flags: str, environ: Optional[Mapping[str, str]] = None) -> str:
+# Where JAX's GPU backends live: the PJRT plugins (jax-cuda12-pjrt: jax_plugins/xla_cuda12) and
+# the kernels beside them (jax-cuda12-plugin: jax_cuda12_plugin), CUDA or ROCm.
+_GPU_PLUGINS = ("jax_plugins/xla_cuda*", "jax_plugins/xla_rocm*", "jax_cuda*_plugin",
+                "jax_rocm*_plugin")
+
+
+def gpu_plugin_installed(paths: Optional[Iterable[str]] = None) -> bool:
+    """Whether a JAX GPU plugin is installed in one of `paths` (default sys.path)."""
+    return any(glob.glob(os.path.join(d, pattern)) for d in (sys.path if paths is None else paths)
+               if d and os.path.isdir(d) for pattern in _GPU_PLUGINS)
+
+
+def gpu_possible(environ: Optional[Mapping[str, str]] = None,
+                 paths: Optional[Iterable[str]] = None) -> bool:
+    """Whether this process may run on a GPU: JAX_PLATFORMS, when set, names cuda/gpu/rocm;
+    else no simulated CPU devices (JTB_CPU_DEVICES) and a GPU plugin installed."""
+    env = os.environ if environ is None else environ
+    platforms = env.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return any(p in platforms for p in ("cuda", "gpu", "rocm"))
+    return not env.get("JTB_CPU_DEVICES") and gpu_plugin_installed(paths)
+
+
+def with_gpu_fast_compile(flags: str, environ: Optional[Mapping[str, str]] = None,
+                          paths: Optional[Iterable[str]] = None) -> str:
     """XLA_FLAGS `flags` plus each GPU_FAST_COMPILE flag they do not name already (a user's own
-    value wins flag by flag); `flags` unchanged when JTB_GPU_AUTOTUNE asks for XLA's defaults."""
-    if wants_autotune(environ):
+    value wins flag by flag); `flags` unchanged when JTB_GPU_AUTOTUNE asks for XLA's defaults or
+    no GPU can be used (`gpu_possible`)."""
+    if wants_autotune(environ) or not gpu_possible(environ, paths):
         return flags
     have = _names(flags)
     add = [f"--{k}={v}" for k, v in GPU_FAST_COMPILE if k not in have]

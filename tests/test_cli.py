@@ -7,6 +7,7 @@ One fixture: a temp directory holding configs/ (a link to the repo's), a tiny ra
 with a truncated model.safetensors. Two tiny training runs (2 steps) in all.
 """
 import concurrent.futures
+import os
 import pathlib
 import re
 import shutil
@@ -214,31 +215,47 @@ def test_cli_environment_defaults_reach_jax(tmp_path):
     assert r.stdout.split() == ["None", "cpu", "3"], r.stderr
 
 
-def test_the_cli_compiles_for_a_gpu_without_autotuning_unless_asked():
-    """XLA's GPU defaults took ~2 min a program (an H200, benchmarks/RESULTS.md): the CLI's
-    process starts with the two fast-compile flags, a user's own value of either wins, and
-    JTB_GPU_AUTOTUNE=1 leaves XLA_FLAGS as it was. The CPU backend starts with them."""
-    code = ("import os, jax_tinybert.main, jax; print(os.environ.get('XLA_FLAGS'), "
-            "jax.device_count(), sep='|')")
+def test_the_cli_compiles_for_a_gpu_without_autotuning_unless_asked(tmp_path):
+    """XLA's GPU defaults took ~2 min a program (an H200, benchmarks/RESULTS.md): a CLI process
+    that may use a GPU starts with the two fast-compile flags, a user's own value of either wins,
+    JTB_GPU_AUTOTUNE=1 keeps XLA's defaults. A CPU-only one keeps XLA_FLAGS as it was (the flags
+    are part of JAX's compile-cache key)."""
+    from jax_tinybert import xla_flags
+
+    code = "import os, jax_tinybert.main; print(os.environ.get('XLA_FLAGS'))"
 
     def flags(**extra):
-        env = _env_without("XLA_FLAGS", "JTB_GPU_AUTOTUNE", **extra)
+        env = _env_without("XLA_FLAGS", "JTB_GPU_AUTOTUNE", "JAX_PLATFORMS", "JTB_CPU_DEVICES",
+                           **extra)
         r = subprocess.run([tiny_run.PYTHON, "-c", code], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
-        return r.stdout.strip().split("|")
+        return r.stdout.strip()
 
     fast = "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
-    assert flags() == [fast, "1"]
-    assert flags(JTB_GPU_AUTOTUNE="0") == [fast, "1"]
-    assert flags(XLA_FLAGS="--xla_gpu_autotune_level=4") == [
-        "--xla_gpu_autotune_level=4 --xla_gpu_enable_triton_gemm=false", "1"]
-    assert flags(JTB_GPU_AUTOTUNE="1") == ["None", "1"]
-    assert flags(JTB_GPU_AUTOTUNE="1", XLA_FLAGS="--xla_cpu_enable_fast_math=false") == [
-        "--xla_cpu_enable_fast_math=false", "1"]
-    # Beside the simulated devices' flag, which main.py adds too.
-    out = flags(JTB_CPU_DEVICES="2")
-    assert out[1] == "2" and "--xla_gpu_autotune_level=0" in out[0], out
+    assert flags(JAX_PLATFORMS="cuda") == fast
+    assert flags(JAX_PLATFORMS="cuda,cpu", JTB_GPU_AUTOTUNE="0") == fast
+    assert flags(JAX_PLATFORMS="cuda", XLA_FLAGS="--xla_gpu_autotune_level=4") == \
+        "--xla_gpu_autotune_level=4 --xla_gpu_enable_triton_gemm=false"
+    assert flags(JAX_PLATFORMS="cuda", JTB_GPU_AUTOTUNE="1") == "None"
+    assert flags(JAX_PLATFORMS="cpu") == "None"
+    assert flags(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_enable_fast_math=false") == \
+        "--xla_cpu_enable_fast_math=false"
+    # No JAX_PLATFORMS: a GPU plugin installed decides (this machine has none: checked by hand).
+    plugins = [p for d in sys.path if os.path.isdir(d) for p in os.listdir(d)
+               if p.startswith(("jax_cuda", "jax_rocm"))
+               or (p == "jax_plugins" and os.listdir(os.path.join(d, p)))]
+    assert flags() == (fast if plugins else "None"), plugins
+    # Where the plugins are found: a CUDA PJRT plugin's folder, or the kernels' package.
+    for name in ("jax_plugins/xla_cuda12", "jax_cuda13_plugin"):
+        d = tmp_path / name.replace("/", "_")
+        (d / name).mkdir(parents=True)
+        assert xla_flags.gpu_plugin_installed([str(d)])
+        assert xla_flags.gpu_possible({}, [str(d)])
+        assert not xla_flags.gpu_possible({"JTB_CPU_DEVICES": "4"}, [str(d)])
+        assert not xla_flags.gpu_possible({"JAX_PLATFORMS": "cpu"}, [str(d)])
+    (tmp_path / "empty" / "jax_plugins").mkdir(parents=True)
+    assert not xla_flags.gpu_plugin_installed([str(tmp_path / "empty")])
 
 
 _MALLOC_VARS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
