@@ -86,8 +86,6 @@ class _OrbaxDiskFullReports(logging.Filter):
 
 
 _ORBAX_DISK_FULL_REPORTS = _OrbaxDiskFullReports()
-
-
 _previous_unraisablehook = None
 
 
@@ -108,6 +106,7 @@ def _quiet_orbax_failures() -> None:
     if sys.unraisablehook is not _quiet_closed_loop:
         _previous_unraisablehook = sys.unraisablehook
         sys.unraisablehook = _quiet_closed_loop
+
 
 __all__ = ["Checkpointer", "abstract_like", "DiskFull", "state_bytes", "check_free_space"]
 
