@@ -11,6 +11,7 @@
 # prepare packs what the machine lacks: the packaged MiniLM teacher as float16 safetensors (its
 # float32 file is over the 64 MB transfer limit; widened back there), the SST-2 files, and wheels
 # of the packages the image has not (ml-collections). run then, each step under its own timeout:
+#   0. tokenizing SST-2 with 1, 4 and all of the host's threads (why it was 7x slower there);
 #   1. fine-tuning, full SST-2, one epoch, no XLA_FLAGS set: the log must say "fast compile";
 #   2. the intermediate stage (2 epochs, teacher = 1's export; cache_tokens=auto: the teacher
 #      in the step on a GPU) and the prediction stage, through benchmarks/epoch.py's phases;
@@ -74,6 +75,22 @@ EOF
   "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/log"
 stamp() { "$PY" -u -c "import sys,time;t=time.time();[print(f'{time.time()-t:8.2f} {l}',end='',flush=True) for l in sys.stdin]"; }
+
+echo "== 0: tokenizing SST-2's train set (10 s on an H200's host in session 28, 1.5 s on a 2-core Xeon)" \
+    | tee -a "$OUT/log"
+for n in "" 1 4; do
+  RAYON_NUM_THREADS=$n timeout 120 "$PY" - "$PWD/$G/glue" "$T" <<'EOF' 2>&1 | tail -1 | tee -a "$OUT/log"
+import os, sys, time
+from jax_tinybert.data import glue, tokenize
+tok = tokenize.load_data_tokenizer(sys.argv[2])
+ex = glue.load_examples("sst2", "train", glue_dir=sys.argv[1])
+t = time.perf_counter()
+tokenize.encode_examples(tok, "sst2", ex, 64)
+dt = time.perf_counter() - t
+print(f"RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS') or 'unset'}: {type(tok).__name__} "
+      f"{dt:.2f} s, {len(ex) / dt:,.0f} sentences/s")
+EOF
+done
 
 echo "== 1: fine-tuning, one epoch, the CLI's defaults" | tee -a "$OUT/log"
 W=/tmp/jtb_gpu_check
