@@ -24,8 +24,14 @@ GPU_FAST_COMPILE = (("xla_gpu_enable_triton_gemm", "false"), ("xla_gpu_autotune_
 AUTOTUNE_ENV = "JTB_GPU_AUTOTUNE"
 
 
-def _names(flags: str) -> set:
-    return {f.lstrip("-").split("=", 1)[0] for f in flags.split() if f.startswith("--")}
+def _parse(flags: str) -> dict:
+    """XLA_FLAGS -> {name: value} (value None for a flag given without '=')."""
+    out = {}
+    for f in flags.split():
+        if f.startswith("--"):
+            name, _, value = f[2:].partition("=")
+            out[name] = value if _ else None
+    return out
 
 
 def wants_autotune(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -64,15 +70,14 @@ def with_gpu_fast_compile(flags: str, environ: Optional[Mapping[str, str]] = Non
     no GPU can be used (`gpu_possible`)."""
     if wants_autotune(environ) or not gpu_possible(environ, paths):
         return flags
-    have = _names(flags)
+    have = _parse(flags)
     add = [f"--{k}={v}" for k, v in GPU_FAST_COMPILE if k not in have]
     return " ".join([flags.strip()] + add).strip() if add else flags
 
 
 def gpu_note(flags: str) -> str:
     """One line for a run's start on a GPU: which of the two compile modes XLA_FLAGS `flags` is in."""
-    set_here = dict(f.lstrip("-").split("=", 1) for f in flags.split()
-                    if f.startswith("--") and "=" in f)
+    set_here = _parse(flags)
     if all(set_here.get(k) == v for k, v in GPU_FAST_COMPILE):
         return ("XLA GPU: fast compile (Triton GEMMs off, no autotuning: ~20 s a program "
                 f"instead of ~2 min); {AUTOTUNE_ENV}=1 keeps XLA's autotuned defaults (steps up "

@@ -256,6 +256,10 @@ def test_the_cli_compiles_for_a_gpu_without_autotuning_unless_asked(tmp_path):
         assert not xla_flags.gpu_possible({"JAX_PLATFORMS": "cpu"}, [str(d)])
     (tmp_path / "empty" / "jax_plugins").mkdir(parents=True)
     assert not xla_flags.gpu_plugin_installed([str(tmp_path / "empty")])
+    # The start line names the mode: fast only when both flags have the fast values.
+    assert xla_flags.gpu_note(fast).startswith("XLA GPU: fast compile")
+    for own in ("--xla_gpu_autotune_level=4 --xla_gpu_enable_triton_gemm=false", ""):
+        assert xla_flags.gpu_note(own).startswith("XLA GPU: autotuned GEMMs"), own
 
 
 _MALLOC_VARS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
