@@ -4,7 +4,8 @@ launch/local_multiprocess.sh and jax.distributed (gloo).
 - the 2 x 4 job computes what 1 process on 1 device computes (same global batch, dropout off:
   dropout masks depend on the layout): losses at every step within 1e-5, final state within 1e-5;
 - one process SIGKILLed mid-run: the other exits with an error within a bounded time (JAX's
-  heartbeat timeout, set to 10 s with JTB_HEARTBEAT_TIMEOUT), not a hang; the same launch
+  heartbeat timeout, set to 10 s with JTB_HEARTBEAT_TIMEOUT, or gloo's abort on the broken
+  connection, whichever comes first), not a hang; the same launch
   command then resumes the job from its last checkpoint and ends where the uninterrupted
   2 x 4 job ends (state within 1e-6; metrics.jsonl, TensorBoard and summary.json equal apart
   from timings);
@@ -31,6 +32,9 @@ REPO = T.REPO
 RUN_TIMEOUT = 300
 STEPS = 20
 HEARTBEAT = 10
+# What the surviving process prints, whichever notices first (see docs/scaling.md).
+DEAD_PEER_REPORTS = ("another task died", "unhealthy",
+                     "Received data size doesn't match expected size", "Connection closed by peer")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +132,9 @@ def test_killed_process_fails_the_other_then_resume(setup, straight_2p, tmp_path
     log0 = (tmp_path / "p0.log").read_text()
     assert rc != 0, log0[-3000:]
     assert waited < HEARTBEAT + 30, waited
-    assert "another task died" in log0 or "unhealthy" in log0, log0[-3000:]
+    # Either JAX's coordination service ends it (the dead task's heartbeats stop), or gloo,
+    # blocked in a collective with the dead peer, aborts first on the broken connection.
+    assert any(s in log0 for s in DEAD_PEER_REPORTS), log0[-3000:]
     seen = T.read_metrics(wd)
     assert max(seen) < STEPS, "the run finished before the kill: nothing was tested"
 
