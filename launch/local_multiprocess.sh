@@ -35,6 +35,8 @@ Environment:
 
 Process 0's log is also shown on the console. The script waits for all processes; as soon as
 one fails it kills the others, names the failed process and its log, and exits with its code.
+Where several have failed by then, it names first one that did not abort (SIGABRT): a process
+that gloo or JAX aborts because a peer died is the consequence, not the cause.
 Ctrl-C (or SIGTERM to this script) sends every process SIGTERM: each saves its step and stops,
 as a preempted run does, and the script waits for them (up to JTB_STOP_GRACE seconds, default
 120, then kills them) and exits 130 (143 after SIGTERM); rerunning the command resumes. A
@@ -154,6 +156,15 @@ kill_all() {  # kill_all SIGNAL [GRACE]: signal every running process, KILL afte
   for pid in "${PIDS[@]+"${PIDS[@]}"}"; do wait "$pid" 2>/dev/null || true; done
 }
 
+describe_exit() {  # describe_exit RC: "exit code RC", with the signal's name for 129-192
+  local rc="$1" name
+  if [[ "$rc" -gt 128 && "$rc" -le 192 ]] && name=$(kill -l $((rc - 128)) 2>/dev/null); then
+    echo "exit code $rc (SIG$name)"
+  else
+    echo "exit code $rc"
+  fi
+}
+
 stop_tail() {
   if [[ -n "$TAIL_PID" ]]; then
     sleep 0.2  # let tail flush the last lines
@@ -223,14 +234,39 @@ while [[ "$REMAINING" -gt 0 ]]; do
       FINISHED[i]=1
       REMAINING=$((REMAINING - 1))
       if [[ "$rc" -ne 0 ]]; then
+        failed_idx=("$i")
+        failed_rc=("$rc")
+        # Others that ended in the same poll: when a peer is killed, gloo or JAX's coordination
+        # service aborts the survivors within milliseconds, and scanning in index order would
+        # name a survivor first.
+        for ((j = 0; j < NUM_PROCESSES; j++)); do
+          if [[ "$j" -eq "$i" || "${FINISHED[$j]}" -eq 1 ]]; then continue; fi
+          if ! kill -0 "${PIDS[$j]}" 2>/dev/null; then
+            rc_j=0
+            wait "${PIDS[$j]}" || rc_j=$?
+            FINISHED[j]=1
+            if [[ "$rc_j" -ne 0 ]]; then failed_idx+=("$j"); failed_rc+=("$rc_j"); fi
+          fi
+        done
+        first=0   # an abort (SIGABRT, 134) is usually the consequence: name another first
+        for k in "${!failed_rc[@]}"; do
+          if [[ "${failed_rc[$k]}" -ne 134 ]]; then first=$k; break; fi
+        done
         kill_all TERM
         stop_tail
+        i="${failed_idx[$first]}"
+        rc="${failed_rc[$first]}"
         log="$LOG_DIR/process_$i.log"
         {
-          echo "local_multiprocess.sh: process $i (pid $pid) failed with exit code $rc; log: $log"
+          echo "local_multiprocess.sh: process $i (pid ${PIDS[$i]}) failed with $(describe_exit "$rc"); log: $log"
           echo "----- last lines of $log -----"
           tail -n 30 "$log" || true
           echo "-----"
+          for k in "${!failed_idx[@]}"; do
+            if [[ "$k" -eq "$first" ]]; then continue; fi
+            j="${failed_idx[$k]}"
+            echo "local_multiprocess.sh: process $j (pid ${PIDS[$j]}) had failed too, with $(describe_exit "${failed_rc[$k]}"); log: $LOG_DIR/process_$j.log"
+          done
           echo "local_multiprocess.sh: stopped the other processes; all logs in $LOG_DIR"
         } >&2
         exit "$rc"

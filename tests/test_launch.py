@@ -199,6 +199,25 @@ STAND_IN = textwrap.dedent("""
         time.sleep(0.5)
         print("process 1 gives up", flush=True)
         sys.exit(3)
+    if mode == "peer_killed":   # 1 is SIGKILLed; 0 aborts ~30 ms later, as gloo makes it do
+        import signal
+        if pid == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        mark = os.path.join(out, "env_1")
+        while not os.path.exists(mark) or not open(mark).read():
+            time.sleep(0.01)
+        peer = int(open(mark).read().split()[4])
+        def gone():
+            try:
+                return open(f"/proc/{peer}/stat").read().split(")")[-1].split()[0] == "Z"
+            except FileNotFoundError:
+                return True
+        while not gone():
+            time.sleep(0.005)
+        time.sleep(0.03)
+        print("terminate called after throwing an instance of 'gloo::EnforceNotMet'", flush=True)
+        os.abort()
     if mode == "save":   # SIGTERM: a save that takes longer than the old 5 s grace, then 143
         import signal
         def saved(*_):
@@ -261,6 +280,22 @@ def test_local_multiprocess_failure_kills_the_others(tmp_path):
     for i in (0, 2):
         pid = int((marks / f"env_{i}").read_text().split()[4])
         assert not _alive(pid), f"process {i} (pid {pid}) survived"
+
+
+@pytest.mark.timeout(120)
+def test_local_multiprocess_names_the_killed_process_not_the_survivor_it_aborted(tmp_path):
+    # A peer SIGKILLed (OOM killer, lost node) makes the survivors abort within milliseconds;
+    # when the launcher sees both at once it must name the killed one, not process 0's abort.
+    env, marks = _stand_in(tmp_path)
+    res = _run([LAUNCH / "local_multiprocess.sh", "-n", "2", "-d", "1", "-l", tmp_path / "logs",
+                "-m", "stand_in", "--", "peer_killed"], env=env, timeout=60)
+    assert res.returncode == 137, res.stderr
+    first = next(line for line in res.stderr.splitlines() if "failed with" in line)
+    assert first.startswith("local_multiprocess.sh: process 1 (pid "), res.stderr
+    assert "failed with exit code 137 (SIGKILL)" in first, res.stderr
+    if "had failed too" in res.stderr:   # seen in the same poll (the usual case)
+        assert "process 0 (pid " in res.stderr and "exit code 134 (SIGABRT)" in res.stderr
+    assert "process 0 (pid" not in first
 
 
 @pytest.mark.timeout(120)
