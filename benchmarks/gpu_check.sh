@@ -16,9 +16,9 @@
 #      process each, through benchmarks/epoch.py's phases, no XLA_FLAGS set: the logs must say
 #      "fast compile", one bucket, and no per-token cache;
 #   2. step throughput at T 128, B 32 / 256, float32 and bf16 (MFU).
-# Environment: SUB=N (train subset; 0 = all), T1/T3 (timeouts of 1 and 2, s), GLUE_DIR (prepare).
+# Environment: SUB=N (train subset; 0 = all), T1/T2 (timeouts of steps 1 and 2, s), GLUE_DIR (prepare).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 G=.gpu
 mode=${1:-}
 
@@ -74,6 +74,22 @@ EOF
   git log --oneline -1
   "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/log"
+echo "== 0: tokenizing SST-2's train set (10 s on an H200's host in session 28, 1.5 s on a 2-core Xeon)" \
+    | tee -a "$OUT/log"
+for n in "" 1 4; do
+  RAYON_NUM_THREADS=$n timeout 120 "$PY" - "$PWD/$G/glue" "$T" <<'EOF' 2>&1 | tail -1 | tee -a "$OUT/log"
+import os, sys, time
+from jax_tinybert.data import glue, tokenize
+tok = tokenize.load_data_tokenizer(sys.argv[2])
+ex = glue.load_examples("sst2", "train", glue_dir=sys.argv[1])
+t = time.perf_counter()
+tokenize.encode_examples(tok, "sst2", ex, 64)
+dt = time.perf_counter() - t
+print(f"RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS') or 'unset'}: {type(tok).__name__} "
+      f"{dt:.2f} s, {len(ex) / dt:,.0f} sentences/s")
+EOF
+done
+
 echo "== 1: the three stages as the README chains them, one process each (benchmarks/epoch.py)" \
     | tee -a "$OUT/log"
 # The fine-tuning stage starts from --override's teacher; the later stages' own teacher.path (1's
@@ -95,11 +111,11 @@ done
 
 echo "== 2: step throughput, T 128" | tee -a "$OUT/log"
 for d in float32 bfloat16; do
-  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T3:-120}" \
+  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T2:-120}" \
       "$PY" benchmarks/step_throughput.py --dtype $d --random-teacher --teachers minilm \
       --students tinybert4 --stages intermediate,pred --lengths 128 --batch-size 32,256 \
       --no-torch --steps 5 --json "$OUT/step_$d.json" > "$OUT/step_$d.log" 2>&1
   echo "rc $? ($d)" | tee -a "$OUT/log"
   grep -E "^\| minilm" "$OUT/step_$d.log" | tee -a "$OUT/log"
 done
-echo done | tee -a "$OUT/log"
+echo "finished" | tee -a "$OUT/log"

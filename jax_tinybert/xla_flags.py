@@ -29,8 +29,8 @@ def _parse(flags: str) -> dict:
     out = {}
     for f in flags.split():
         if f.startswith("--"):
-            name, _, value = f[2:].partition("=")
-            out[name] = value if _ else None
+            name, sep, value = f[2:].partition("=")
+            out[name] = value if sep else None
     return out
 
 

@@ -174,6 +174,41 @@ stop_tail() {
   fi
 }
 
+fail_fast() {  # fail_fast INDEX RC: process INDEX ended with RC != 0; stop all, report, exit
+  local failed_idx=("$1") failed_rc=("$2") j k rc_j first=0
+  # Others that ended in the same poll: when a peer is killed, gloo or JAX's coordination
+  # service aborts the survivors within milliseconds, and scanning in index order would
+  # name a survivor first.
+  for ((j = 0; j < NUM_PROCESSES; j++)); do
+    if [[ "$j" -eq "$1" || "${FINISHED[$j]}" -eq 1 ]] || kill -0 "${PIDS[$j]}" 2>/dev/null; then
+      continue
+    fi
+    rc_j=0
+    wait "${PIDS[$j]}" || rc_j=$?
+    if [[ "$rc_j" -ne 0 ]]; then failed_idx+=("$j"); failed_rc+=("$rc_j"); fi
+  done
+  for k in "${!failed_rc[@]}"; do   # an abort (SIGABRT, 134) is usually the consequence
+    if [[ "${failed_rc[$k]}" -ne 134 ]]; then first=$k; break; fi
+  done
+  kill_all TERM
+  stop_tail
+  local i="${failed_idx[$first]}" rc="${failed_rc[$first]}"
+  local log="$LOG_DIR/process_$i.log"
+  {
+    echo "local_multiprocess.sh: process $i (pid ${PIDS[$i]}) failed with $(describe_exit "$rc"); log: $log"
+    echo "----- last lines of $log -----"
+    tail -n 30 "$log" || true
+    echo "-----"
+    for k in "${!failed_idx[@]}"; do
+      if [[ "$k" -eq "$first" ]]; then continue; fi
+      j="${failed_idx[$k]}"
+      echo "local_multiprocess.sh: process $j (pid ${PIDS[$j]}) had failed too, with $(describe_exit "${failed_rc[$k]}"); log: $LOG_DIR/process_$j.log"
+    done
+    echo "local_multiprocess.sh: stopped the other processes; all logs in $LOG_DIR"
+  } >&2
+  exit "$rc"
+}
+
 STOP_CODE=0
 
 kill_now() {  # a second interrupt while the processes save
@@ -234,42 +269,7 @@ while [[ "$REMAINING" -gt 0 ]]; do
       FINISHED[i]=1
       REMAINING=$((REMAINING - 1))
       if [[ "$rc" -ne 0 ]]; then
-        failed_idx=("$i")
-        failed_rc=("$rc")
-        # Others that ended in the same poll: when a peer is killed, gloo or JAX's coordination
-        # service aborts the survivors within milliseconds, and scanning in index order would
-        # name a survivor first.
-        for ((j = 0; j < NUM_PROCESSES; j++)); do
-          if [[ "$j" -eq "$i" || "${FINISHED[$j]}" -eq 1 ]]; then continue; fi
-          if ! kill -0 "${PIDS[$j]}" 2>/dev/null; then
-            rc_j=0
-            wait "${PIDS[$j]}" || rc_j=$?
-            FINISHED[j]=1
-            if [[ "$rc_j" -ne 0 ]]; then failed_idx+=("$j"); failed_rc+=("$rc_j"); fi
-          fi
-        done
-        first=0   # an abort (SIGABRT, 134) is usually the consequence: name another first
-        for k in "${!failed_rc[@]}"; do
-          if [[ "${failed_rc[$k]}" -ne 134 ]]; then first=$k; break; fi
-        done
-        kill_all TERM
-        stop_tail
-        i="${failed_idx[$first]}"
-        rc="${failed_rc[$first]}"
-        log="$LOG_DIR/process_$i.log"
-        {
-          echo "local_multiprocess.sh: process $i (pid ${PIDS[$i]}) failed with $(describe_exit "$rc"); log: $log"
-          echo "----- last lines of $log -----"
-          tail -n 30 "$log" || true
-          echo "-----"
-          for k in "${!failed_idx[@]}"; do
-            if [[ "$k" -eq "$first" ]]; then continue; fi
-            j="${failed_idx[$k]}"
-            echo "local_multiprocess.sh: process $j (pid ${PIDS[$j]}) had failed too, with $(describe_exit "${failed_rc[$k]}"); log: $LOG_DIR/process_$j.log"
-          done
-          echo "local_multiprocess.sh: stopped the other processes; all logs in $LOG_DIR"
-        } >&2
-        exit "$rc"
+        fail_fast "$i" "$rc"
       fi
     fi
   done
