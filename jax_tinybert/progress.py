@@ -130,9 +130,10 @@ class Progress:
         dt = self.elapsed
         return self.n / dt if dt > 0 else 0.0
 
-    def close(self, stopped: bool = False) -> None:
+    def close(self, stopped: bool = False, note: str = "") -> None:
         """Ends the phase: closes the bar, or writes the closing line (phases over 1 s);
-        `stopped`: the phase ended early (an exception, Ctrl-C), and the line says so."""
+        `stopped`: the phase ended early (an exception, Ctrl-C), and the line says so. `note`:
+        added to a finished phase's line, e.g. "3,668 ex in 38s (97 ex/s; <note>)"."""
         if self.t_end is not None:
             return
         self.t_end = time.perf_counter()
@@ -147,7 +148,8 @@ class Progress:
             of = f" of {self._q(self.total)}" if self.total else ""
             self._line(f"stopped after {n}{of} in {fmt_time(self.elapsed)}")
         elif self.elapsed >= 1.0:
-            self._line(f"{self._q(self.n)} in {fmt_time(self.elapsed)} ({self._q(self.rate)}/s)")
+            self._line(f"{self._q(self.n)} in {fmt_time(self.elapsed)} ({self._q(self.rate)}/s"
+                       + (f"; {note}" if note else "") + ")")
 
     def __enter__(self) -> "Progress":
         return self

@@ -43,6 +43,7 @@ import numpy as np
 
 from jax_tinybert import fs
 from jax_tinybert import modeling
+from jax_tinybert import work as work_lib
 from jax_tinybert.data import batching, packing, tokenize
 from jax_tinybert.progress import Progress
 
@@ -396,9 +397,10 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
 
         # The host copies out and writes one batch while the next forwards run (the copy-out
         # was 11 s of 46 s of an MRPC intermediate build).
-        for (ids, keep, T, work), feats in forwarded(forward, params, rows()):
+        flops = work_lib.Work()
+        for (ids, keep, T, work), feats in forwarded(forward, params, rows(), flops=flops):
             write(feats, ids, keep, T, work)
-        prog.close()
+        prog.close(note=work_lib.fmt(flops.flops, prog.elapsed) if flops.known else "")
         if not files and not tokens.written:
             raise ValueError(f"teacher cache {path}: the batches held no valid rows")
         n_missing = int(expected - filled.sum())
@@ -431,7 +433,8 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     stored = list(meta["fields"].values()) + list(meta.get("token_fields", {}).values())
     cache.build_stats = {"examples_per_s": prog.rate, "seconds": prog.elapsed,
                          "rows": int(filled.sum()), "num_examples": int(num_examples),
-                         "bytes": int(sum(i["bytes"] for i in stored))}
+                         "bytes": int(sum(i["bytes"] for i in stored)),
+                         **({"flops": flops.flops} if flops.known else {})}
     return cache
 
 
@@ -765,17 +768,24 @@ def _row_batches(ds, rows: Optional[np.ndarray], buckets, batch_size: int):
 
 
 def forwarded(forward: Callable, params, items: Iterable[Tuple[Mapping[str, Any], Any]],
-              in_flight: Optional[int] = None) -> Iterator[Tuple[Any, Dict[str, np.ndarray]]]:
+              in_flight: Optional[int] = None, flops: Optional[work_lib.Work] = None
+              ) -> Iterator[Tuple[Any, Dict[str, np.ndarray]]]:
     """(tag, host outputs of `forward(params, *batch[MODEL_KEYS])`) for each (batch, tag) of
     `items`, in their order. On CPU up to `in_flight` (default FORWARDS_IN_FLIGHT) forwards run
     at once, each in its own thread, and one more is queued; elsewhere one at a time, the next
     dispatched while the caller handles the last. Leaving the loop early cancels the queued ones
-    and waits for those running."""
+    and waits for those running. flops: counts each forward's FLOPs (`forward` jitted)."""
     if in_flight is None:
         in_flight = FORWARDS_IN_FLIGHT if jax.default_backend() == "cpu" else 1
 
     def run(batch):
-        return jax.device_get(forward(params, *(np.asarray(batch[k]) for k in MODEL_KEYS)))
+        args = tuple(np.asarray(batch[k]) for k in MODEL_KEYS)
+        out = jax.device_get(forward(params, *args))
+        if flops is not None:
+            lower = getattr(forward, "lower", None)   # None: not jitted, no count
+            flops.add(tuple((a.shape, a.dtype.str) for a in args),
+                      lambda: lower(params, *args) if lower else None)
+        return out
 
     pending: collections.deque = collections.deque()
     pool = concurrent.futures.ThreadPoolExecutor(in_flight, thread_name_prefix="teacher")

@@ -90,3 +90,56 @@ def test_split_epochs_have_their_own_phases():
     assert line.endswith("= steps 101-200 30 s (load 1.0 -> 1.0)")
     line = next(x for x in table.splitlines() if x.startswith("- sst2 intermediate:"))
     assert "teacher cache 20 s" in line and "final checkpoint, export, exit 12 s" in line
+
+
+# The lines of a real MRPC intermediate run (session 30), as the CLI prints them.
+TEACHER_LINE = "[teacher cache] 3,668 ex in 34s (108 ex/s; 5.40 TFLOP, 159 GFLOP/s)"
+AHEAD_LINE = ("I1127 13:37:18.599804 140041036584896 train.py:136] compiled ahead: update step 1 "
+              "of 1 programs (113 of 113 calls; 0.9 s; 34.87 GFLOP), gradient step 3 of 3 "
+              "programs (113 of 113 calls; 1.6 1.2 1.3 s; 7.66 TFLOP); the others compiled in "
+              "the step that first needed them")
+
+
+def test_work_is_read_from_the_runs_lines():
+    w = epoch.parse_work("step 1/113 loss=1", None)
+    assert w is None
+    w = epoch.parse_work(TEACHER_LINE, w)
+    w = epoch.parse_work(AHEAD_LINE, w)
+    assert w["teacher_pass"] == pytest.approx(5.40e12)
+    assert w["steps"] == pytest.approx(7.66e12 + 34.87e9) and w["complete"]
+    # A step that compiled some programs in the step: its calls there are not counted.
+    partial = AHEAD_LINE.replace("gradient step 3 of 3 programs (113 of 113",
+                                 "gradient step 2 of 3 programs (100 of 113")
+    assert not epoch.parse_work(partial, None)["complete"]
+    # A program without a count (an accelerator whose cost analysis gives none).
+    assert not epoch.parse_work(AHEAD_LINE.replace("; 34.87 GFLOP", ""), None)["complete"]
+
+
+def test_ceiling_is_the_reference_over_the_work_at_the_best_matmul_rate():
+    res = _result()
+    ours = res["tasks"]["sst2"]["ours"]
+    # 3 TFLOP in the 45 s standalone epoch; the best matmul 250 GFLOP/s (torch's here): at that
+    # rate the work takes 12 s, the official epoch 90 s: ceiling 7.5x; it ran at 3e12/45/250e9.
+    ours["pred_standalone"]["work"] = {"teacher_pass": 1e12, "steps": 2e12, "complete": True}
+    ours["pred"]["work"] = {"teacher_pass": 0.0, "steps": 2e12, "complete": False}
+    rows = {r["what"]: r for r in epoch.summarise(res) if r["what"].startswith("epoch")}
+    alone = rows["epoch: prediction, standalone"]
+    assert alone["ceiling"] == pytest.approx(90 / 12)
+    assert alone["pct_of_peak"] == pytest.approx(100 * 3e12 / 45 / 250e9)
+    assert "ceiling" not in rows["epoch: prediction (after the intermediate stage)"]
+    table = epoch.render(res)
+    line = next(x for x in table.splitlines() if "prediction, standalone" in x)
+    assert "| 7.50x (3.00 TFLOP, run at 27%) | **no** |" in line
+    line = next(x for x in table.splitlines() if x.startswith("- sst2 pred_standalone:"))
+    assert "work 3.00 TFLOP (teacher pass 1.00, steps 2.00)" in line
+    line = next(x for x in table.splitlines() if x.startswith("- sst2 pred:"))
+    assert "work 2.00 TFLOP (steps 2.00; some calls not counted)" in line
+
+
+def test_two_epoch_run_shares_its_steps_work_between_the_epochs():
+    marks = [(50, 40.0), (100, 65.0), (150, 80.0), (200, 95.0)]
+    r = {"wall_s": 107.0, "cpu_s": 214.0, "steps": 200, "step_marks": marks, "marks": {},
+         "work": {"teacher_pass": 5e12, "steps": 8e12, "complete": True}}
+    first, later = epoch.split_epochs(r)
+    assert first["work"] == {"teacher_pass": 5e12, "steps": 4e12, "complete": True}
+    assert later["work"] == {"teacher_pass": 0.0, "steps": 4e12, "complete": True}

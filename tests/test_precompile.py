@@ -161,9 +161,11 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
     # Every call ran a program compiled ahead (a call whose program was still queued waited
     # for the worker), each with the seconds the worker spent on it.
     m = re.search(r"compiled ahead: update step 1 of 1 programs \((\d+) of 10 calls; "
-                  r"(\d+\.\d) s\), "
-                  r"gradient step (\d) of (\d) programs \((\d+) of 10 calls; ([\d. ]+) s\), "
-                  r"eval step (\d) of \7 programs \((\d+) of \8 calls; ([\d. ]+) s\)",
+                  r"(\d+\.\d) s; [\d.]+ [GT]FLOP\), "
+                  r"gradient step (\d) of (\d) programs \((\d+) of 10 calls; ([\d. ]+) s; "
+                  r"[\d.]+ [GT]FLOP\), "
+                  r"eval step (\d) of \7 programs \((\d+) of \8 calls; ([\d. ]+) s; "
+                  r"[\d.]+ [GT]FLOP\)",
                   caplog.text)
     assert m and m[1] == "10" and m[3] == m[4] != "0" and m[5] == "10" and m[7] != "0", \
         caplog.text
