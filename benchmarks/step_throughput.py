@@ -76,6 +76,7 @@ import numpy as np  # noqa: E402
 from cpu_info import cpuinfo  # noqa: E402
 from jax_tinybert import build, config_base  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
+from jax_tinybert import work  # noqa: E402
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
 
 STAGES = ("finetune", "tinybert_intermediate", "tinybert_pred", "pkd")
@@ -249,10 +250,7 @@ class Case:
 def _cost_flops(compiled) -> float:
     """FLOPs from XLA's cost analysis of a Compiled (or Lowered: the unoptimised HLO, where every
     dot counts 2 M N K; the GPU backend's optimised HLO leaves most library GEMM calls out)."""
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    return float((ca or {}).get("flops", float("nan")))
+    return work.program_flops(compiled)
 
 
 def on_accelerator() -> bool:

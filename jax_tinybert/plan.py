@@ -37,6 +37,7 @@ import numpy as np
 from jax_tinybert import build, config_base
 from jax_tinybert.checkpoints import state_bytes
 from jax_tinybert import sharding as shd
+from jax_tinybert import work
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
 
 # name -> (layers, hidden, intermediate, heads); all use BERT's uncased vocab (30522).
@@ -168,10 +169,7 @@ def plan_one(teacher: str, student: str, *, batch: int, seq_len: int, mesh_spec:
     batch_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh) for k, v in spec.items()}
     compiled = step.lower(state_abs, teacher_abs, batch_abs).compile()
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    flops = float((cost or {}).get("flops", float("nan")))
+    flops = work.program_flops(compiled)
     n = mesh.size
     out = {
         "teacher": teacher if isinstance(teacher, str) else "custom",
