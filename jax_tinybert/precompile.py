@@ -128,6 +128,14 @@ class Compiler:
                          + ")" for a in self._wrapped)
 
 
+    def flops(self) -> Optional[float]:
+        """FLOPs of every call of the wrapped steps so far (XLA's cost analysis); None when some
+        are not counted (run by the jitted function, or by a program without a count)."""
+        if any(a.misses or (a.hits and not a.work.known) for a in self._wrapped):
+            return None
+        return sum(a.work.flops for a in self._wrapped)
+
+
 class Ahead:
     """`jitted` with programs compiled ahead by a Compiler's worker (see the module docstring)."""
 

@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_tinybert import build, fs, precompile, teacher_cache, workdir_lock
+from jax_tinybert import build, fs, precompile, teacher_cache, work, workdir_lock
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
@@ -135,6 +135,7 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
         if compiler is not None:
             logger.info("compiled ahead: %s; the others compiled in the step that first "
                         "needed them", compiler.close())
+    flops = _run_flops(run, compiler)
 
     # ----------------------------------------------------------------- finish
     final_params, export_step = _best_params(ckpt, run, state, best, step)
@@ -146,13 +147,16 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
                "student_params": count_params(m.student_params),
                "teacher_params": count_params(m.teacher_params) if m.teacher_params else 0,
                "wall_s": wall_before + time.time() - t_start, "export": export_dir,
-               "export_step": export_step if export_dir else None, "task": run.data.task}
+               "export_step": export_step if export_dir else None, "task": run.data.task,
+               **({"flops_this_process": flops} if flops is not None else {})}
     writer.close()
     _drop_token_cache(run.cache)
     if is_main:
         write_json_atomic(os.path.join(workdir, "summary.json"), summary, indent=1,
                           default=float)
         print(f"[{config.stage}] done in {summary['wall_s']:.0f}s; "
+              + (f"work {work.fmt(flops, time.time() - t_start)} in this process; "
+                 if flops else "")
               + (f"best {run.data.task} {best['main']:.4f} at step {best['step']}; "
                  if best else "")
               + (f"exported to {export_dir}" if export_dir else ""), flush=True)
@@ -160,6 +164,17 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
 
 
 # --------------------------------------------------------------------------- loop helpers
+
+def _run_flops(run: build.Run, compiler: Optional[precompile.Compiler]) -> Optional[float]:
+    """This process's FLOPs by XLA's cost analysis: the teacher cache pass (when it ran here)
+    and every train and eval step call; None when a part was not counted (steps compiled in
+    the step, `train.compile_ahead=False`, a backend without a count)."""
+    steps = compiler.flops() if compiler is not None else None
+    stats = run.cache.build_stats if run.cache is not None else None
+    if steps is None or (stats and "flops" not in stats):
+        return None
+    return steps + (stats["flops"] if stats else 0.0)
+
 
 def _drop_token_cache(cache) -> None:
     """Deletes a finished run's per-token teacher cache: GBs that only a resumed (unfinished)

@@ -141,7 +141,7 @@ def test_programs_left_queued_at_close_compile_in_the_call(caplog):
 
 def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
     teacher = tiny_run.tiny_teacher(tmp_path / "teacher")
-    runs = {}
+    runs, summaries = {}, {}
     for ahead in (False, True):
         c = run_files.config("finetune_teacher.py", "sst2")
         c.teacher.path = teacher
@@ -153,7 +153,7 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
         c.export.enabled = False
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="jax_tinybert.train"):
-            train.train_and_evaluate(c, str(tmp_path / f"w{ahead}"))
+            summaries[ahead] = train.train_and_evaluate(c, str(tmp_path / f"w{ahead}"))
         runs[ahead] = [{k: v for k, v in r.items() if k != "time" and not k.endswith("_per_s")}
                        for r in run_files.records(str(tmp_path / f"w{ahead}"), "train")
                        + run_files.records(str(tmp_path / f"w{ahead}"), "eval")]
@@ -171,6 +171,23 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
         caplog.text
     assert float(m[2]) > 0
     assert len(m[6].split()) >= int(m[3]) and len(m[9].split()) == int(m[7])
+    # The run's FLOPs: every call was compiled ahead, so all are counted; without compiling
+    # ahead the steps' programs are not analysed, and none is claimed.
+    assert summaries[True]["flops_this_process"] > 0
+    assert "flops_this_process" not in summaries[False]
+
+
+def test_flops_are_none_once_a_call_ran_outside_the_programs_compiled_ahead():
+    f = jax.jit(lambda w, x: x @ w)
+    w = np.ones((8, 5), np.float32)
+    compiler = precompile.Compiler()
+    step = compiler.wrap(f, "toy step")
+    step.submit(w, jax.ShapeDtypeStruct((4, 8), np.float32))
+    step(w, np.ones((4, 8), np.float32))
+    assert compiler.flops() == 2 * 4 * 8 * 5
+    step(w, np.ones((6, 8), np.float32))   # a shape never submitted: the jitted function
+    assert compiler.flops() is None
+    compiler.close()
 
 
 def _tiny_classifier_teacher(out_dir) -> str:
