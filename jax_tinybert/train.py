@@ -148,14 +148,15 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
                "teacher_params": count_params(m.teacher_params) if m.teacher_params else 0,
                "wall_s": wall_before + time.time() - t_start, "export": export_dir,
                "export_step": export_step if export_dir else None, "task": run.data.task,
-               **({"flops_this_process": flops} if flops is not None else {})}
+               **({"flops_this_segment": flops} if flops is not None else {})}
     writer.close()
     _drop_token_cache(run.cache)
     if is_main:
         write_json_atomic(os.path.join(workdir, "summary.json"), summary, indent=1,
                           default=float)
         print(f"[{config.stage}] done in {summary['wall_s']:.0f}s; "
-              + (f"work {work.fmt(flops, time.time() - t_start)} in this process; "
+              + (f"work {work.fmt(flops, time.time() - t_start)}"
+                 + (f" since the resume at step {start_step}; " if start_step else "; ")
                  if flops else "")
               + (f"best {run.data.task} {best['main']:.4f} at step {best['step']}; "
                  if best else "")
@@ -166,9 +167,10 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
 # --------------------------------------------------------------------------- loop helpers
 
 def _run_flops(run: build.Run, compiler: Optional[precompile.Compiler]) -> Optional[float]:
-    """This process's FLOPs by XLA's cost analysis: the teacher cache pass (when it ran here)
-    and every train and eval step call; None when a part was not counted (steps compiled in
-    the step, `train.compile_ahead=False`, a backend without a count)."""
+    """This segment's FLOPs (this call of train_and_evaluate: a resumed run's since the resume)
+    by XLA's cost analysis: the teacher cache pass (when it ran here) and every train and eval
+    step call; None when a part was not counted (steps compiled in the step,
+    `train.compile_ahead=False`, a backend without a count)."""
     steps = compiler.flops() if compiler is not None else None
     stats = run.cache.build_stats if run.cache is not None else None
     if steps is None or (stats and "flops" not in stats):

@@ -173,8 +173,8 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
     assert len(m[6].split()) >= int(m[3]) and len(m[9].split()) == int(m[7])
     # The run's FLOPs: every call was compiled ahead, so all are counted; without compiling
     # ahead the steps' programs are not analysed, and none is claimed.
-    assert summaries[True]["flops_this_process"] > 0
-    assert "flops_this_process" not in summaries[False]
+    assert summaries[True]["flops_this_segment"] > 0
+    assert "flops_this_segment" not in summaries[False]
 
 
 def test_flops_are_none_once_a_call_ran_outside_the_programs_compiled_ahead():

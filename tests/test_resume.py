@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 
@@ -103,6 +104,9 @@ def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
     res = _run(args, env)                        # the same command again
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert _resumed_step(res.stdout) == saved
+    # The closing line's work is this segment's, and says so.
+    assert re.search(rf"done in \d+s; work [\d.]+ [GT]FLOP, \d+ GFLOP/s since the resume at "
+                     rf"step {saved}; ", res.stdout), res.stdout[-2000:]
     _check_resumed(straight, wd)
 
 

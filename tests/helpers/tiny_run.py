@@ -222,9 +222,9 @@ def read_tb(tb_dir):
     return len(files), sorted(out)
 
 
-# Fields that measure time (or, flops_this_process, one process's share of the work), not
+# Fields that measure time (or, flops_this_segment, one segment's share of the work), not
 # results: left out when comparing a resumed run with an unbroken one.
-_TIMING_KEYS = ("time", "wall_s", "flops_this_process")
+_TIMING_KEYS = ("time", "wall_s", "flops_this_segment")
 _TIMING_SUFFIXES = ("examples_per_s", "tokens_per_s")
 
 
