@@ -181,7 +181,7 @@ def parse_work(line: str, work: Optional[dict]) -> Optional[dict]:
         for hits, calls, rest in re.findall(r"\((\d+) of (\d+) calls([^)]*)\)", line):
             m = re.search(r"; " + _FLOP.pattern + r"$", rest)
             work["steps"] += _flop(m) if m else 0.0
-            work["complete"] &= bool(m) and hits == calls
+            work["complete"] &= hits == calls and (bool(m) or calls == "0")
     return work
 
 

@@ -113,6 +113,10 @@ def test_work_is_read_from_the_runs_lines():
     assert not epoch.parse_work(partial, None)["complete"]
     # A program without a count (an accelerator whose cost analysis gives none).
     assert not epoch.parse_work(AHEAD_LINE.replace("; 34.87 GFLOP", ""), None)["complete"]
+    # A step that never ran (eval, stopped before its first evaluation) has nothing to count.
+    idle = AHEAD_LINE.replace("; the others", ", eval step 0 of 0 programs (0 of 0 calls; 0.8 "
+                              "0.8 s); the others")
+    assert epoch.parse_work(idle, None)["complete"]
 
 
 def test_ceiling_is_the_reference_over_the_work_at_the_best_matmul_rate():
