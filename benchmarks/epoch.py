@@ -171,17 +171,18 @@ def parse_work(line: str, work: Optional[dict]) -> Optional[dict]:
     ex in 34s (108 ex/s; 5.40 TFLOP, 159 GFLOP/s)") and the compiled-ahead summary ("gradient
     step 3 of 3 programs (113 of 113 calls; 1.6 1.2 1.3 s; 7.66 TFLOP), ..."). `complete` is False
     when a step ran calls not compiled ahead, or a program has no count: those are not in it."""
-    if line.startswith("[teacher cache]") and " ex in " in line:
-        m = re.search(r"; " + _FLOP.pattern + r", ", line)
-        if m:
-            work = dict(work or {"teacher_pass": 0.0, "steps": 0.0, "complete": True})
-            work["teacher_pass"] += _flop(m)
-    elif "compiled ahead: " in line:
-        work = dict(work or {"teacher_pass": 0.0, "steps": 0.0, "complete": True})
-        for hits, calls, rest in re.findall(r"\((\d+) of (\d+) calls([^)]*)\)", line):
-            m = re.search(r"; " + _FLOP.pattern + r"$", rest)
-            work["steps"] += _flop(m) if m else 0.0
-            work["complete"] &= hits == calls and (bool(m) or calls == "0")
+    teacher = re.search(r"; " + _FLOP.pattern + r", ", line) \
+        if line.startswith("[teacher cache]") and " ex in " in line else None
+    if not teacher and "compiled ahead: " not in line:
+        return work
+    work = dict(work or {"teacher_pass": 0.0, "steps": 0.0, "complete": True})
+    if teacher:
+        work["teacher_pass"] += _flop(teacher)
+        return work
+    for hits, calls, rest in re.findall(r"\((\d+) of (\d+) calls([^)]*)\)", line):
+        m = re.search(r"; " + _FLOP.pattern + r"$", rest)
+        work["steps"] += _flop(m) if m else 0.0
+        work["complete"] &= hits == calls and (bool(m) or calls == "0")
     return work
 
 

@@ -247,12 +247,6 @@ class Case:
         return shd.shard_batch(host_batch, self.mesh)
 
 
-def _cost_flops(compiled) -> float:
-    """FLOPs from XLA's cost analysis of a Compiled (or Lowered: the unoptimised HLO, where every
-    dot counts 2 M N K; the GPU backend's optimised HLO leaves most library GEMM calls out)."""
-    return work.program_flops(compiled)
-
-
 def on_accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
@@ -276,30 +270,6 @@ def xla_step_bytes(compiled) -> Optional[int]:
         return None
 
 
-def hlo_flops(lowered) -> float:
-    """FLOPs of a Lowered step's unoptimised HLO (every dot 2 M N K; backend-independent). The
-    GPU plugin does not implement Lowered.cost_analysis (NaN or NotImplementedError there), so
-    fall back to the CPU backend's analysis of the same HLO module (a private JAX API: NaN if it
-    moves). A split step's (gradient + update programs): the sum of its parts'."""
-    if hasattr(lowered, "parts"):
-        return sum(hlo_flops(p) for p in lowered.parts)
-    try:
-        f = _cost_flops(lowered)
-        if math.isfinite(f):
-            return f
-    except NotImplementedError:
-        pass
-    try:
-        from jax._src.lib import _jax
-        from jax.extend import backend as xb
-
-        ca = _jax.hlo_module_cost_analysis(xb.get_backend("cpu"),
-                                           lowered.compiler_ir("hlo").as_hlo_module())
-        return float((ca or {}).get("flops", float("nan")))
-    except Exception:  # noqa: BLE001
-        return float("nan")
-
-
 def time_jax(case: Case, host_batch, warmup: int, steps: int, pipelined: bool = False) -> dict:
     """Compile, then `warmup` + `steps` steps each waited for (median of the timed ones). With
     `pipelined`, `steps` more steps dispatched back to back and waited for once (mean)."""
@@ -312,8 +282,8 @@ def time_jax(case: Case, host_batch, warmup: int, steps: int, pipelined: bool = 
     # On CPU the compiled step's count (as in the published CPU tables); elsewhere the lowered
     # HLO's, which counts every dot (on GPU the compiled count misses cuBLAS calls: 37.7 vs
     # 113.8 GFLOP for one step measured on an H100).
-    flops_compiled = _cost_flops(compiled)
-    flops = hlo_flops(lowered) if pipelined else flops_compiled
+    flops_compiled = work.program_flops(compiled)
+    flops = work.program_flops(lowered) if pipelined else flops_compiled
     times, cpu = [], []
     for i in range(warmup + steps):
         t0, c0 = time.perf_counter(), time.process_time()

@@ -114,7 +114,7 @@ class Compiler:
         6.31 TFLOP)": of the distinct programs each step ran, those the worker compiled, the
         calls they ran, the seconds the worker spent tracing, lowering and compiling each (in
         the order compiled; the ones a run never reached included), and the FLOPs of those calls
-        by XLA's cost analysis (where it gives them); the others were compiled by the call that
+        by XLA's cost analysis; the others were compiled by the call that
         first needed them (never submitted, or their compile failed)."""
         with self._lock:
             dropped, self._queue = list(self._queue), collections.deque()
@@ -147,7 +147,6 @@ class Ahead:
         self.in_step: Set[tuple] = set()   # and those the jitted function compiled
         self.seconds: List[float] = []     # each compilation the worker finished, in order
         self.work = work_lib.Work()        # FLOPs of the calls run compiled ahead
-        self._flops: Dict[tuple, float] = {}
 
     def submit(self, *args) -> None:
         """Queues the compilation of the program for `args` (one per distinct signature)."""
@@ -160,7 +159,7 @@ class Ahead:
         lowered = self.jitted.lower(*args)
         compiled = lowered.compile()
         self.seconds.append(time.perf_counter() - t)
-        self._flops[signature(args[-1])] = work_lib.program_flops(lowered)
+        self.work.analyse(signature(args[-1]), lowered)
         return compiled
 
     def __call__(self, *args):
@@ -182,5 +181,5 @@ class Ahead:
             return self.jitted(*args)
         self.hits += 1
         self.ahead.add(key)
-        self.work.add_flops(self._flops.get(key, float("nan")))
+        self.work.add(key)
         return compiled(*args)

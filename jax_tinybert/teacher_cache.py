@@ -784,7 +784,7 @@ def forwarded(forward: Callable, params, items: Iterable[Tuple[Mapping[str, Any]
         if flops is not None:
             lower = getattr(forward, "lower", None)   # None: not jitted, no count
             flops.add(tuple((a.shape, a.dtype.str) for a in args),
-                      lambda: lower(params, *args) if lower else None)
+                      (lambda: lower(params, *args)) if lower else None)
         return out
 
     pending: collections.deque = collections.deque()

@@ -3,7 +3,7 @@
 A run reports how fast it went in examples/s; what the hardware could have given is a FLOP
 rate. `program_flops(lowered)` is XLA's count for one call of a program (the unoptimised HLO:
 every dot 2 M N K, so the same count on every backend), and `Work` adds it up over the calls a
-phase makes, from any thread. The teacher's cache pass and the compiled-ahead train and eval
+phase makes, from any thread, analysing each program once. The teacher's cache pass and the compiled-ahead train and eval
 steps report theirs (`[teacher cache] ... (5.21 TFLOP, 137 GFLOP/s)`, `compiled ahead: ...`), and
 benchmarks/epoch.py turns them into each epoch's achieved rate and the speed-up that epoch could
 reach at the machine's best matmul rate.
@@ -12,19 +12,37 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable, Dict, Hashable
+from typing import Any, Callable, Dict, Hashable, Optional
 
 
-def program_flops(lowered) -> float:
-    """FLOPs of one call of a `jax.stages.Lowered` (or Compiled); NaN for None or where the
-    backend's cost analysis gives none (the GPU plugin does not implement it for Lowered)."""
-    try:
-        ca = lowered.cost_analysis() if lowered is not None else None
-    except Exception:  # noqa: BLE001 - an unimplemented analysis is not the run's error
+def program_flops(program) -> float:
+    """FLOPs of one call of a `jax.stages.Lowered` (its unoptimised HLO: every dot 2 M N K) or
+    Compiled; of a split step's programs (`.parts`), their sum. Where the backend has no
+    analysis of a Lowered (the GPU plugin: NaN or NotImplementedError), the CPU backend's
+    analysis of the same HLO module (a private JAX API). NaN for None, or when neither gives one.
+    """
+    if program is None:
         return math.nan
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    return float((ca or {}).get("flops", math.nan))
+    if hasattr(program, "parts"):
+        return sum(program_flops(p) for p in program.parts)
+    try:
+        ca = program.cost_analysis()
+        if isinstance(ca, (list, tuple)):
+            ca = ca[0] if ca else {}
+        f = float((ca or {}).get("flops", math.nan))
+        if math.isfinite(f):
+            return f
+    except Exception:  # noqa: BLE001 - an unimplemented analysis is not the run's error
+        pass
+    try:
+        from jax._src.lib import _jax
+        from jax.extend import backend as xb
+
+        ca = _jax.hlo_module_cost_analysis(xb.get_backend("cpu"),
+                                           program.compiler_ir("hlo").as_hlo_module())
+        return float((ca or {}).get("flops", math.nan))
+    except Exception:  # noqa: BLE001 - a Compiled has no HLO to give, or the API moved
+        return math.nan
 
 
 class Work:
@@ -37,22 +55,25 @@ class Work:
         self.calls = 0
         self.unknown = 0   # calls whose program has no count
 
-    def add(self, key: Hashable, lower: Callable[[], Any]) -> None:
-        """One call of the program `key`; `lower()` -> its Lowered, called the first time only
-        (after the call has compiled it, a jitted function's `lower` is a cache hit)."""
+    def analyse(self, key: Hashable, program) -> float:
+        """Counts the program `key` (a Lowered or Compiled), ahead of its calls; -> its FLOPs."""
+        f = program_flops(program)
+        with self._lock:
+            self._per_program[key] = f
+        return f
+
+    def add(self, key: Hashable, lower: Optional[Callable[[], Any]] = None) -> None:
+        """One call of the program `key`. Not analysed yet: `lower()` -> its Lowered is (after
+        the call has compiled it, a jitted function's `lower` is a cache hit); without `lower`
+        the call has no count."""
         with self._lock:
             f = self._per_program.get(key)
-        if f is None:
-            f = program_flops(lower())
-            with self._lock:
-                self._per_program[key] = f
-        self.add_flops(f)
-
-    def add_flops(self, flops: float) -> None:
+        if f is None and lower is not None:
+            f = self.analyse(key, lower())
         with self._lock:
             self.calls += 1
-            if math.isfinite(flops):
-                self.flops += flops
+            if f is not None and math.isfinite(f):
+                self.flops += f
             else:
                 self.unknown += 1
 

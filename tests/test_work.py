@@ -17,6 +17,21 @@ def test_program_flops_of_a_matmul_is_two_m_n_k():
     assert math.isnan(work.program_flops(None))
 
 
+def test_program_flops_falls_back_to_cpu_analysis():
+    """The GPU plugin has no Lowered.cost_analysis: the same HLO is costed on the CPU backend."""
+    low = jax.jit(lambda a, b: a @ b).lower(np.ones((64, 32), np.float32),
+                                            np.ones((32, 16), np.float32))
+
+    class NoCost:
+        def cost_analysis(self):
+            raise NotImplementedError
+
+        def compiler_ir(self, dialect):
+            return low.compiler_ir(dialect)
+
+    assert work.program_flops(low) == work.program_flops(NoCost()) == 2 * 64 * 32 * 16
+
+
 def test_work_counts_each_call_and_analyses_each_program_once():
     f = jax.jit(lambda a: a @ a.T)
     lowered = []
