@@ -50,7 +50,8 @@ fi
 [[ "$mode" == run ]] || { echo "usage: $0 prepare|run" >&2; exit 2; }
 [[ -d "$G/teacher16" ]] || { echo "no $G/: run '$0 prepare' first (here), carry .gpu" >&2; exit 2; }
 OUT=${OUT:-benchmarks/out/gpu}
-mkdir -p "$OUT"
+L=$OUT/logs   # packed into $OUT/logs.tgz at the end: the device tool brings back 8 files at most
+mkdir -p "$L"
 PY=${PYTHON:-python3}
 if ls "$G"/whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -100,12 +101,12 @@ rm -rf $W
 timeout "${T1:-500}" "$PY" benchmarks/epoch.py --tasks sst2 --glue_dir "$PWD/$G/glue" \
     --teacher_path $T --train_subset "$SUB" --no_step_bench --no-standalone_pred \
     --scratch $W --json "$OUT/epoch.json" --override=--config.teacher.path=$T \
-    --override=--config.teacher.cache_tokens=auto > "$OUT/epoch.log" 2>&1
+    --override=--config.teacher.cache_tokens=auto > "$L/epoch.log" 2>&1
 echo "rc $?" | tee -a "$OUT/log"
-grep -E "^  ours|^- sst2" "$OUT/epoch.log" | tee -a "$OUT/log"
+grep -E "^  ours|^- sst2" "$L/epoch.log" | tee -a "$OUT/log"
 for s in finetune intermediate pred; do
-  cp $W/sst2/$s.log "$OUT/" 2>/dev/null
-  grep -hE "XLA GPU|per-token cache|length buckets|compiled ahead" $W/sst2/$s.log 2>/dev/null \
+  cp $W/sst2/$s.log "$L/" 2>/dev/null
+  grep -hE "XLA GPU|per-token cache|length buckets|compiled ahead|done in" $W/sst2/$s.log 2>/dev/null \
       | cut -c1-220 | tee -a "$OUT/log"
 done
 
@@ -114,8 +115,9 @@ for d in float32 bfloat16; do
   XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T2:-120}" \
       "$PY" benchmarks/step_throughput.py --dtype $d --random-teacher --teachers minilm \
       --students tinybert4 --stages intermediate,pred --lengths 128 --batch-size 32,256 \
-      --no-torch --steps 5 --json "$OUT/step_$d.json" > "$OUT/step_$d.log" 2>&1
+      --no-torch --steps 5 --json "$OUT/step_$d.json" > "$L/step_$d.log" 2>&1
   echo "rc $? ($d)" | tee -a "$OUT/log"
-  grep -E "^\| minilm" "$OUT/step_$d.log" | tee -a "$OUT/log"
+  grep -E "^\| minilm" "$L/step_$d.log" | tee -a "$OUT/log"
 done
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
 echo "finished" | tee -a "$OUT/log"

@@ -103,6 +103,9 @@ def base_config() -> ml_collections.ConfigDict:
         eval_batch_size=64, checkpoint_every=200, max_to_keep=2,
         # Compile the step of every length bucket ahead, in a background thread (precompile.py).
         compile_ahead=True,
+        # Its threads: 0 = auto (1 on CPU, where the cores train; on an accelerator one per 4
+        # host cores, at most 4, so a second bucket's program does not stall the epoch).
+        compile_workers=0,
         # The optimizer update as a program of its own, compiled once instead of in every
         # length bucket's step (step.SplitTrainStep): auto (short runs, build.splits_update) |
         # always | never.

@@ -7,7 +7,10 @@ leaves gaps too (host work between steps), so the same programs compiled by a wo
 while the main thread trains cost the run ~2 s less each (measured in session 14).
 
 `Compiler()` owns the worker (one thread: programs compile one at a time, in the order they
-were submitted). `compiler.wrap(jitted)` gives an `Ahead`, the jitted function wrapped:
+were submitted). `Compiler(workers=N)` compiles N at a time: on a GPU host with cores to spare
+a second bucket's program otherwise stalls the shuffled epoch that meets it a few steps in (an
+SST-2 intermediate epoch on an H200 spent 14 s of its 55 s waiting for it); `auto_workers` picks
+1 on a CPU backend, where the cores train. `compiler.wrap(jitted)` gives an `Ahead`, the jitted function wrapped:
 `submit(*args)` queues `jitted.lower(*args).compile()` (the very function that trains, as
 MaxText's train_compile does; args may be ShapeDtypeStructs with shardings), and a call runs
 the executable compiled for its shapes. Programs are told apart by the last argument (the
@@ -44,14 +47,27 @@ def signature(batch: Any) -> tuple:
                            for x in leaves)
 
 
+def auto_workers(backend: str, cpus: Optional[int]) -> int:
+    """Compile threads for a run on `backend` with `cpus` host cores: 1 on CPU (the cores
+    train, and two XLA compiles side by side on 2 cores each ran ~2x slower); on an
+    accelerator a thread per 4 host cores, at most 4 (a run has a few programs: its buckets'
+    steps, an eval step, an update step)."""
+    if backend == "cpu" or not cpus:
+        return 1
+    return max(1, min(4, cpus // 4))
+
+
 class Compiler:
-    """One worker thread compiling programs ahead, in the order they were submitted, except
+    """`workers` threads compiling programs ahead, in the order they were submitted, except
     that a program a call is waiting for goes next (`expedite`)."""
 
-    def __init__(self):
+    def __init__(self, workers: int = 1):
+        if workers < 1:
+            raise ValueError(f"Compiler needs at least one worker thread, got {workers}")
+        self.workers = workers
         # The pool runs one `_next` per submitted program; each takes whichever job is first
-        # in the queue when the worker gets to it, so the queue's order can change meanwhile.
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jtb-compile")
+        # in the queue when a worker gets to it, so the queue's order can change meanwhile.
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jtb-compile")
         self._queue: collections.deque = collections.deque()   # (future, fn, args), not started
         self._lock = threading.Lock()
         self._wrapped: List[Ahead] = []
@@ -82,8 +98,8 @@ class Compiler:
                     return
 
     def quiet_since(self) -> float:
-        """The wall time (time.time) since which the worker has had nothing to compile; inf
-        while it has. Steps timed before then shared the cores with a compilation."""
+        """The wall time (time.time) since which the workers have had nothing to compile; inf
+        while they have. Steps timed before then shared the cores with a compilation."""
         with self._lock:
             return math.inf if self._idle_since is None else self._idle_since
 
@@ -112,8 +128,8 @@ class Compiler:
         -> what ran compiled ahead, e.g. "update step 1 of 1 programs (120 of 120 calls; 1.7 s;
         0.02 TFLOP), gradient step 5 of 6 programs (112 of 120 calls; 3.6 3.5 3.6 3.7 3.9 s;
         6.31 TFLOP)": of the distinct programs each step ran, those the worker compiled, the
-        calls they ran, the seconds the worker spent tracing, lowering and compiling each (in
-        the order compiled; the ones a run never reached included), and the FLOPs of those calls
+        calls they ran, the seconds a worker spent tracing, lowering and compiling each (in
+        the order finished; the ones a run never reached included), and the FLOPs of those calls
         by XLA's cost analysis; the others were compiled by the call that
         first needed them (never submitted, or their compile failed)."""
         with self._lock:
@@ -145,7 +161,7 @@ class Ahead:
         self.hits = self.misses = 0   # calls run by an executable compiled ahead / by jitted
         self.ahead: Set[tuple] = set()     # signatures run by a program compiled ahead
         self.in_step: Set[tuple] = set()   # and those the jitted function compiled
-        self.seconds: List[float] = []     # each compilation the worker finished, in order
+        self.seconds: List[float] = []     # each compilation a worker finished, in order
         self.work = work_lib.Work()        # FLOPs of the calls run compiled ahead
 
     def submit(self, *args) -> None:

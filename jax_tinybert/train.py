@@ -74,7 +74,7 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
     # segment of a resumed run, and a finished run rerun in place keeps its history.
     history = list(past.get("eval_history", []))
     wall_before = _wall_before(workdir, start_step, past)
-    compiler = (precompile.Compiler() if config.train.compile_ahead
+    compiler = (_compiler(config) if config.train.compile_ahead
                 and start_step < run.total_steps else None)
     preemption, writer = Preemption(), None
     # The SIGTERM handler must not outlive this stage when it stops early (Preempted) or fails:
@@ -485,6 +485,19 @@ def _first_of_each_length(seq_lens: np.ndarray) -> np.ndarray:
     """Indices of the first step of each distinct length, in the order they come."""
     _, first = np.unique(seq_lens, return_index=True)
     return np.sort(first)
+
+
+
+def _compiler(config: ml_collections.ConfigDict) -> precompile.Compiler:
+    """The compile-ahead worker threads: `train.compile_workers`, 0 = one on CPU, one per 4
+    host cores (at most 4) on an accelerator."""
+    workers = config.train.compile_workers   # >= 0: config_check
+    if workers == 0:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        workers = precompile.auto_workers(jax.default_backend(), cpus)
+    if workers > 1:
+        logger.info("compiling ahead in %d threads (train.compile_workers)", workers)
+    return precompile.Compiler(workers)
 
 
 def _steps(run: build.Run, compiler: Optional[precompile.Compiler], start_step: int):

@@ -41,6 +41,7 @@ def _set(c, field, value):
     ("train.checkpoint_every", 0, "must be >= 1"),
     ("train.eval_every", -1, "must be >= 0"),
     ("train.max_to_keep", 0, "must be >= 1"),
+    ("train.compile_workers", -2, r"must be >= 0 \(0 = auto"),
     ("data.max_len", 2, r"must be in \[4, 8192\]"),
     ("data.buckets", (0, 64), "must be a tuple of positive integers"),
     ("data.max_buckets", 0, "must be >= 1"),

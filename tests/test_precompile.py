@@ -92,6 +92,34 @@ def test_a_call_moves_its_program_to_the_front_and_waits_for_the_worker(caplog):
     compiler.close()
 
 
+def test_two_workers_compile_two_programs_at_once():
+    """Compiler(workers=2): the second program compiles beside the first (each trace here
+    waits at a barrier for the other's, which one worker would never reach)."""
+    both = threading.Barrier(2, timeout=30)
+
+    def meet(w, batch):
+        both.wait()
+        return w * batch["x"].sum()
+
+    compiler = precompile.Compiler(workers=2)
+    f = compiler.wrap(jax.jit(meet), "f")
+    f.submit(1.0, _batch(2))
+    f.submit(1.0, _batch(5))
+    for n in (2, 5):
+        assert float(f(1.0, _batch(n))) == pytest.approx(float(_batch(n)["x"].sum()))
+    assert (f.hits, f.misses, len(f.seconds)) == (2, 0, 2) and not both.broken
+    compiler.close()
+    with pytest.raises(ValueError, match="at least one worker"):
+        precompile.Compiler(workers=0)
+
+
+@pytest.mark.parametrize("backend,cpus,want", [
+    ("cpu", 2, 1), ("cpu", 64, 1), ("gpu", 16, 4), ("gpu", 8, 2), ("gpu", 4, 1), ("gpu", 2, 1),
+    ("tpu", 240, 4), ("gpu", None, 1)])
+def test_auto_workers(backend, cpus, want):
+    assert precompile.auto_workers(backend, cpus) == want
+
+
 def test_quiet_since_says_when_the_worker_ran_out_of_work():
     """quiet_since: inf while a program is queued or compiling (the step ETA leaves those
     steps out), then the time the last one finished, a failed compile included."""
@@ -142,14 +170,15 @@ def test_programs_left_queued_at_close_compile_in_the_call(caplog):
 def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
     teacher = tiny_run.tiny_teacher(tmp_path / "teacher")
     runs, summaries = {}, {}
-    for ahead in (False, True):
+    for ahead in (False, True, 2):   # 2: compiled ahead in two threads
         c = run_files.config("finetune_teacher.py", "sst2")
         c.teacher.path = teacher
         c.data.kind, c.data.synthetic_train, c.data.synthetic_eval = "synthetic", 96, 40
         c.data.max_len, c.data.buckets = 32, (8, 16, 32)
         c.data.cache_dir = str(tmp_path / "cache")
         c.train.update(batch_size=8, num_steps=10, log_every=1, eval_every=5,
-                       eval_batch_size=8, compile_ahead=ahead)
+                       eval_batch_size=8, compile_ahead=bool(ahead),
+                       compile_workers=ahead if ahead == 2 else 0)
         c.export.enabled = False
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="jax_tinybert.train"):
@@ -157,7 +186,8 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
         runs[ahead] = [{k: v for k, v in r.items() if k != "time" and not k.endswith("_per_s")}
                        for r in run_files.records(str(tmp_path / f"w{ahead}"), "train")
                        + run_files.records(str(tmp_path / f"w{ahead}"), "eval")]
-    assert runs[True] == runs[False] and len(runs[True]) >= 12
+    assert runs[True] == runs[False] == runs[2] and len(runs[True]) >= 12
+    assert "compiling ahead in 2 threads (train.compile_workers)" in caplog.text
     # Every call ran a program compiled ahead (a call whose program was still queued waited
     # for the worker), each with the seconds the worker spent on it.
     m = re.search(r"compiled ahead: update step 1 of 1 programs \((\d+) of 10 calls; "
