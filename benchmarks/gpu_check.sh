@@ -7,6 +7,8 @@
 #   benchmarks/gpu_check.sh prepare        # here: fills .gpu/ (~52 MB; add /.gpu/ to .git/info/exclude)
 #   benchmarks/gpu_check.sh run            # there, through the device tool with carry [".gpu"];
 #                                          # files land in $OUT (default benchmarks/out/gpu)
+#   benchmarks/gpu_check.sh ab 'A' 'B' ... # there: SST-2's intermediate stage (2 epochs), once per
+#                                          # set of --config overrides, each compiling afresh
 #
 # prepare packs what the machine lacks: the packaged MiniLM teacher as float16 safetensors (its
 # float32 file is over the 64 MB transfer limit; widened back there), the SST-2 files, and wheels
@@ -47,7 +49,7 @@ EOF
   exit 0
 fi
 
-[[ "$mode" == run ]] || { echo "usage: $0 prepare|run" >&2; exit 2; }
+[[ "$mode" == run || "$mode" == ab ]] || { echo "usage: $0 prepare|run|ab ARGS..." >&2; exit 2; }
 [[ -d "$G/teacher16" ]] || { echo "no $G/: run '$0 prepare' first (here), carry .gpu" >&2; exit 2; }
 OUT=${OUT:-benchmarks/out/gpu}
 L=$OUT/logs   # packed into $OUT/logs.tgz at the end: the device tool brings back 8 files at most
@@ -69,6 +71,38 @@ from safetensors.numpy import load_file, save_file
 d = load_file(sys.argv[1])
 save_file({k: v.astype("float32") if v.dtype.kind == "f" else v for k, v in d.items()}, sys.argv[2])
 EOF
+if [[ "$mode" == ab ]]; then
+  # ab 'OVERRIDES A' 'OVERRIDES B' ...: SST-2's intermediate stage for 2 epochs (the packaged
+  # teacher), once per argument, each with an empty compile cache: whole-process wall time, the
+  # first step's time, the closing line.
+  shift
+  W=/tmp/jtb_gpu_ab
+  STAMP='import sys, time
+t = time.time()
+for line in sys.stdin:
+    print(f"{time.time() - t:8.2f} {line}", end="")'
+  rm -rf $W && mkdir -p $W
+  i=0
+  for ov in "$@"; do
+    i=$((i + 1))
+    t0=$(date +%s%N)
+    # shellcheck disable=SC2086 # each argument is a list of overrides
+    JAX_COMPILATION_CACHE_DIR=$W/xla$i timeout "${T1:-200}" "$PY" -m jax_tinybert.main \
+        --config=configs/task_distill.py:sst2_intermediate --workdir=$W/run$i \
+        --config.data.glue_dir="$PWD/$G/glue" --config.data.cache_dir=$W/tokens \
+        --config.teacher.path=$T --config.student.init=random \
+        --config.objective.layer_map="[(0,0),(1,2),(2,3),(3,5),(4,6)]" \
+        --config.train.num_epochs=2 $ov 2>&1 | "$PY" -uc "$STAMP" > "$L/ab$i.log"
+    rc=${PIPESTATUS[0]}
+    t1=$(date +%s%N)
+    { echo "== ab $i: $ov"
+      echo "rc $rc, whole process $(( (t1 - t0) / 1000000 )) ms"
+      grep -hE "compiling ahead in|periodic checkpoints|step +(1|20|2104|4208)/|compiled ahead|done in" \
+          "$L/ab$i.log" | cut -c1-200; } | tee -a "$OUT/log"
+  done
+  tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
+  exit 0
+fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   lscpu | grep -E "^Model name|^CPU\(s\)|^CPU family|^Model:"

@@ -23,7 +23,7 @@ from jax_tinybert.hf import WEIGHT_FILES, resolve_path
 # Fields that do not change the trained model: a run may resume with other values.
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
                     "train.max_to_keep", "train.eval_batch_size", "export.enabled",
-                    "data.cache_dir", "train.compile_workers"}
+                    "data.cache_dir", "train.compile_workers", "train.checkpoint_seconds"}
 # Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may
 # change them (to extend a run), with a warning naming the schedule change.
 SCHEDULE_FIELDS = ("train.num_steps", "train.num_epochs")
@@ -115,6 +115,8 @@ NUMERIC_RULES = {
     "train.num_epochs": (_POS, ""),
     "train.log_every": (_GE1, "steps between log lines"),
     "train.checkpoint_every": (_GE1, "steps between checkpoints"),
+    "train.checkpoint_seconds": (("-1 (auto) or >= 0", lambda v: v == -1 or v >= 0),
+                                 "the least seconds between periodic checkpoints"),
     "train.eval_every": (_NONNEG, "0 = at the end of each epoch"),
     "train.max_to_keep": (_GE1, "periodic checkpoints kept"),
     "train.seed": (_NONNEG, ""),

@@ -84,8 +84,14 @@ def straight_1p(setup, tmp_path_factory):
 def straight_2p(setup, tmp_path_factory):
     teacher, cache = setup
     base = tmp_path_factory.mktemp("mp_2p")
-    log0 = _launch(_args(base / "wd", teacher), _env(cache), base / "logs")
+    # checkpoint_seconds: the first process's clock decides each periodic save for both (the
+    # steps sleep 0.25 s, so saves 5 steps apart are all due; a split decision would hang).
+    log0 = _launch(_args(base / "wd", teacher) + ["--config.train.checkpoint_seconds=0.5"],
+                   _env(cache), base / "logs")
     assert "on 8 device(s)" in log0 and "'data': 8" in log0
+    assert "at least 0.5 s apart" in log0
+    assert sorted(int(n) for n in os.listdir(base / "wd" / "checkpoints") if n.isdigit()) \
+        == [10, 15, 20]
     return base / "wd"
 
 

@@ -362,3 +362,38 @@ def test_a_large_train_set_is_fingerprinted_from_runs_of_its_tokens(monkeypatch)
     assert arrays_fingerprint(train._token_sample(between)) == fp
     small = np.arange(100, dtype=np.int32)
     assert train._token_sample(small) is small and train._token_sample(None) is None
+
+
+# --------------------------------------------------------------------------- checkpoint cadence
+
+def test_save_timer_keeps_periodic_saves_apart():
+    """SaveTimer(30): asked at t = 10, 31, 40, 62, 70 (a multiple of checkpoint_every each), it
+    saves at 31 (31 s since the start) and 62 (31 s since 31), not at 10, 40 or 70."""
+    now = [0.0]
+    timer = train.SaveTimer(30.0, clock=lambda: now[0])
+    got = []
+    for t in (10.0, 31.0, 40.0, 62.0, 70.0):
+        now[0] = t
+        got.append(timer.due())
+    assert got == [False, True, False, True, False]
+    assert all(train.SaveTimer(0.0, clock=lambda: 0.0).due() for _ in range(3))
+
+
+@pytest.mark.parametrize("seconds,steps", [(-1.0, [4, 6, 8]), (1e6, [8])])
+def test_checkpoint_seconds_thins_the_periodic_saves(tmp_path, caplog, seconds, steps):
+    """checkpoint_every=2 over 8 steps: on CPU the auto value (-1 -> 0) keeps every multiple
+    (the last 3 kept, max_to_keep); 10^6 s keeps only the final save, and says so."""
+    import logging
+
+    from helpers import tiny_run
+    c = _cfg("finetune_teacher.py", "sst2")
+    c.teacher.path = tiny_run.tiny_teacher(tmp_path / "teacher")
+    _synthetic(c, tmp_path)
+    c.train.update(batch_size=8, num_steps=8, checkpoint_every=2, max_to_keep=3,
+                   checkpoint_seconds=seconds, eval_every=100)
+    c.export.enabled = False
+    with caplog.at_level(logging.INFO, logger="jax_tinybert.train"):
+        train.train_and_evaluate(c, str(tmp_path / "w"))
+    got = sorted(int(n) for n in os.listdir(tmp_path / "w" / "checkpoints") if n.isdigit())
+    assert got == steps
+    assert ("at least 1e+06 s apart" in caplog.text) == (seconds > 0)
