@@ -111,8 +111,10 @@ fi
 } 2>&1 | tee "$OUT/log"
 echo "== 0: tokenizing SST-2's train set (10 s on an H200's host in session 28, 1.5 s on a 2-core Xeon)" \
     | tee -a "$OUT/log"
-for n in "" 1 4; do
-  RAYON_NUM_THREADS=$n timeout 120 "$PY" - "$PWD/$G/glue" "$T" <<'EOF' 2>&1 | tail -1 | tee -a "$OUT/log"
+# The last: all threads in one malloc arena, as the CLI ran before session 31 (jax_tinybert/malloc.py).
+for n in "" 1 4 arena1; do
+  one=(); [[ $n == arena1 ]] && { one=(MALLOC_ARENA_MAX=1); n=; }
+  env "${one[@]}" RAYON_NUM_THREADS=$n timeout 120 "$PY" - "$PWD/$G/glue" "$T" <<'EOF' 2>&1 | tail -1 | tee -a "$OUT/log"
 import os, sys, time
 from jax_tinybert.data import glue, tokenize
 tok = tokenize.load_data_tokenizer(sys.argv[2])
@@ -120,7 +122,8 @@ ex = glue.load_examples("sst2", "train", glue_dir=sys.argv[1])
 t = time.perf_counter()
 tokenize.encode_examples(tok, "sst2", ex, 64)
 dt = time.perf_counter() - t
-print(f"RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS') or 'unset'}: {type(tok).__name__} "
+print(f"RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS') or 'unset'}, "
+      f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX') or 'unset'}: {type(tok).__name__} "
       f"{dt:.2f} s, {len(ex) / dt:,.0f} sentences/s")
 EOF
 done

@@ -63,6 +63,21 @@ def gpu_possible(environ: Optional[Mapping[str, str]] = None,
     return not env.get("JTB_CPU_DEVICES") and gpu_plugin_installed(paths)
 
 
+def accelerator_possible(environ: Optional[Mapping[str, str]] = None,
+                         paths: Optional[Iterable[str]] = None) -> bool:
+    """Whether this process may run on a GPU or a TPU: `gpu_possible`, or JAX_PLATFORMS naming
+    tpu, or (JAX_PLATFORMS unset, no simulated CPU devices) libtpu installed."""
+    env = os.environ if environ is None else environ
+    if gpu_possible(env, paths):
+        return True
+    platforms = env.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return "tpu" in platforms
+    return not env.get("JTB_CPU_DEVICES") and any(
+        glob.glob(os.path.join(d, "libtpu*")) for d in (sys.path if paths is None else paths)
+        if d and os.path.isdir(d))
+
+
 def with_gpu_fast_compile(flags: str, environ: Optional[Mapping[str, str]] = None,
                           paths: Optional[Iterable[str]] = None) -> str:
     """XLA_FLAGS `flags` plus each GPU_FAST_COMPILE flag they do not name already (a user's own

@@ -362,6 +362,30 @@ def test_the_malloc_settings_load_without_jax_and_match_the_makefile():
     assert exported == MALLOC_ENV
 
 
+def test_a_gpu_or_tpu_host_gets_no_single_malloc_arena(tmp_path):
+    """MALLOC_ENV (one arena, tuned for XLA's CPU steps) is not set where JAX may run on a GPU
+    or TPU: there it only serialises the host's threads (the tokenizer ran 10x slower on a
+    16-core H200 host). tcmalloc, where installed, is still preloaded; CPU runs are unchanged."""
+    from jax_tinybert import malloc, xla_flags
+
+    no_tc = {"JTB_TCMALLOC": str(tmp_path / "none.so")}   # a named library that is not there
+    assert malloc.wanted(dict(no_tc, JAX_PLATFORMS="cuda")) == {}
+    assert malloc.wanted(dict(no_tc, JAX_PLATFORMS="tpu")) == {}
+    assert malloc.wanted(dict(no_tc, JAX_PLATFORMS="cpu")) == malloc.MALLOC_ENV
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    assert malloc.wanted({"JTB_TCMALLOC": str(lib), "JAX_PLATFORMS": "cuda"}) == dict(
+        malloc.TCMALLOC_ENV, LD_PRELOAD=str(lib))
+    assert malloc.allocator({"JAX_PLATFORMS": "cuda"}).startswith("glibc defaults (a GPU/TPU")
+    assert malloc.allocator({"JAX_PLATFORMS": "cpu"}) == "glibc defaults"
+    # No JAX_PLATFORMS: libtpu installed (a TPU VM) decides, unless CPU devices are simulated.
+    (tmp_path / "site" / "libtpu").mkdir(parents=True)
+    site = [str(tmp_path / "site")]
+    assert xla_flags.accelerator_possible({}, site)
+    assert not xla_flags.accelerator_possible({"JTB_CPU_DEVICES": "8"}, site)
+    assert not xla_flags.accelerator_possible({}, [str(tmp_path / "none")])
+
+
 def test_a_cli_run_fills_the_default_compile_cache(cli, tmp_path):
     d, _ = cli
     env = _env_without("JAX_COMPILATION_CACHE_DIR", "JTB_COMPILE_CACHE",
