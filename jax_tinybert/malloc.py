@@ -20,9 +20,9 @@ JTB_MALLOC=glibc: glibc's malloc with MALLOC_ENV even where tcmalloc is installe
 restart at all. JTB_TCMALLOC=PATH: the tcmalloc library to preload, where it is not in a
 standard folder.
 
-Imports only the standard library, `fs` (etils) and `xla_flags`, and `jax_tinybert/__init__.py` loads the
-model lazily, so a script can `from jax_tinybert import malloc` and restart before JAX is
-loaded. The Makefile exports the same values (make cannot import Python; tests/test_cli.py
+Imports only the standard library, `fs` (etils) and `xla_flags`, and `jax_tinybert/__init__.py`
+loads the model lazily, so a script can `from jax_tinybert import malloc` and restart before JAX
+is loaded. The Makefile exports the same values (make cannot import Python; tests/test_cli.py
 compares the two), and runs the test suite through `python -m jax_tinybert.malloc pytest ...`.
 """
 from __future__ import annotations

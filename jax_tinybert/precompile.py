@@ -10,8 +10,8 @@ while the main thread trains cost the run ~2 s less each (measured in session 14
 were submitted). `Compiler(workers=N)` compiles N at a time: on a GPU host with cores to spare
 a second bucket's program otherwise stalls the shuffled epoch that meets it a few steps in (an
 SST-2 intermediate epoch on an H200 spent 14 s of its 55 s waiting for it); `auto_workers` picks
-1 on a CPU backend, where the cores train. `compiler.wrap(jitted)` gives an `Ahead`, the jitted function wrapped:
-`submit(*args)` queues `jitted.lower(*args).compile()` (the very function that trains, as
+1 on a CPU backend, where the cores train. `compiler.wrap(jitted)` gives an `Ahead`, the jitted
+function wrapped: `submit(*args)` queues `jitted.lower(*args).compile()` (the very function that trains, as
 MaxText's train_compile does; args may be ShapeDtypeStructs with shardings), and a call runs
 the executable compiled for its shapes. Programs are told apart by the last argument (the
 batch); the others (state, params) must keep their shapes and shardings from call to call, as a

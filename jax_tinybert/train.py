@@ -524,7 +524,6 @@ def _first_of_each_length(seq_lens: np.ndarray) -> np.ndarray:
     return np.sort(first)
 
 
-
 def _compiler(config: ml_collections.ConfigDict) -> precompile.Compiler:
     """The compile-ahead worker threads: `train.compile_workers`, 0 = one on CPU, one per 4
     host cores (at most 4) on an accelerator."""
