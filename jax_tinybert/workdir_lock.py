@@ -12,9 +12,19 @@ The lock is an `flock` on `<workdir>/.jtb-lock`, which the kernel drops when the
 process ends, however it ends (SIGKILL, a crash, a lost node): there is never a stale lock to
 clear by hand. The file stays (removing it would let two runs lock two different files); it
 holds who has the lock, for the message, and is emptied on release. Only process 0 of a
-multi-process run takes it. A gs:// workdir is not locked (object stores have no such lock):
-there, the scheduler has to start one job per workdir; a filesystem that refuses `flock` (some
-FUSE mounts) gets a warning and runs unlocked.
+multi-process run takes it. A filesystem that refuses `flock` (some FUSE mounts) gets a warning
+and runs unlocked.
+
+A workdir in an object store (gs://) has no flock: there the lock is a lease, an object
+`<workdir>/.jtb-lock.<n>` created only if absent (GCS's ifGenerationMatch=0 precondition, so of
+two runs starting together one gets it) that names its holder and the time it was last seen.
+A thread rewrites that time every HEARTBEAT_S seconds, and the run deletes the object when it
+ends. A run killed without its exit (SIGKILL, a lost host) leaves it behind: the next run is
+refused until LEASE_TTL_S seconds after its holder was last seen, then takes it over by creating
+`.jtb-lock.<n+1>` (again only if absent, so two takers cannot both win) and deleting the old
+one. A holder that was silent that long (a frozen VM) and comes back finds the newer lease and
+says so in an error line. Clocks of different hosts are compared, so the TTL is minutes, far
+over their skew.
 """
 from __future__ import annotations
 
@@ -24,8 +34,10 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
-from typing import Iterator
+import uuid
+from typing import Dict, Iterator, Optional, Tuple
 
 import jax
 
@@ -40,6 +52,10 @@ except ImportError:   # not POSIX: no lock
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".jtb-lock"
+# Object-store leases: a holder not seen for LEASE_TTL_S is gone; it shows it lives every
+# HEARTBEAT_S (a quarter of the TTL, so a slow request or two does not lose the lease).
+LEASE_TTL_S = 120.0
+HEARTBEAT_S = 30.0
 
 
 class WorkdirBusy(UserError):
@@ -55,17 +71,22 @@ def _holder(fd: int) -> dict:
     return rec if isinstance(rec, dict) else {}
 
 
-def _busy_message(workdir: str, rec: dict) -> str:
+def _busy_message(workdir: str, rec: dict, seen_s_ago: Optional[float] = None) -> str:
     if rec.get("pid"):
         since = time.strftime("%H:%M:%S UTC", time.gmtime(float(rec.get("started", 0))))
         cmd = str(rec.get("command", ""))
-        who = (f"pid {rec['pid']} on host {rec.get('host')}, since {since}"
+        seen = "" if seen_s_ago is None else f", last seen {max(seen_s_ago, 0):.0f} s ago"
+        who = (f"pid {rec['pid']} on host {rec.get('host')}, since {since}{seen}"
                + (f": {cmd[:160]}{'...' if len(cmd) > 160 else ''}" if cmd else ""))
         stop = f"stop it with kill -TERM {rec['pid']}"
     else:
         who, stop = "a process that has not written its name yet", "stop it with kill -TERM"
-    return (f"workdir {workdir} is in use by another run ({who}); wait for it to end, or {stop} "
-            "(it saves its step, and the same command then resumes), or pass another --workdir")
+    msg = (f"workdir {workdir} is in use by another run ({who}); wait for it to end, or {stop} "
+           "(it saves its step, and the same command then resumes), or pass another --workdir")
+    if seen_s_ago is not None:
+        msg += (f"; a run killed without its exit holds a bucket workdir until {LEASE_TTL_S:.0f} s "
+                "after it was last seen")
+    return msg
 
 
 def _command() -> str:
@@ -75,12 +96,140 @@ def _command() -> str:
     return " ".join(argv)
 
 
+def _record() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+            "command": _command()}
+
+
+# --------------------------------------------------------------------------- object stores
+
+def _leases(fsys, root: str) -> Dict[int, str]:
+    """{n: object path} of the `.jtb-lock.<n>` objects directly under `root`."""
+    try:
+        names = fsys.ls(root, detail=False)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for name in names:
+        base = name.rstrip("/").rsplit("/", 1)[-1]
+        suffix = base[len(LOCK_NAME) + 1:]
+        if base.startswith(LOCK_NAME + ".") and suffix.isdigit():
+            out[int(suffix)] = name
+    return out
+
+
+def _read_lease(fsys, path: str) -> Optional[dict]:
+    """A lease's record; None when it is gone (released meanwhile), {} when unreadable."""
+    try:
+        rec = json.loads(fsys.cat_file(path))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _take_lease(workdir: str, fsys, root: str) -> Tuple[int, str, dict]:
+    """-> (n, path, record) of the lease this run now holds; WorkdirBusy while a live one
+    exists."""
+    for _ in range(5):   # each pass ends unless another run changed the leases meanwhile
+        leases = _leases(fsys, root)
+        n = max(leases, default=0)
+        rec = None
+        if n:
+            rec = _read_lease(fsys, leases[n])
+            if rec is None:
+                continue
+            age = time.time() - float(rec.get("heartbeat") or rec.get("started") or 0)
+            if age < LEASE_TTL_S:
+                raise WorkdirBusy(_busy_message(workdir, rec, age))
+        mine = dict(_record(), heartbeat=time.time(), token=uuid.uuid4().hex)
+        path = f"{root}/{LOCK_NAME}.{n + 1}"
+        try:
+            fsys.pipe_file(path, json.dumps(mine).encode(), mode="create")
+        except FileExistsError:   # another run created it first: look again
+            continue
+        if n:
+            log.warning("workdir %s: took the lock over from pid %s on host %s, last seen %.0f s "
+                        "ago (killed without its exit, or its host lost)", workdir,
+                        rec.get("pid"), rec.get("host"),
+                        time.time() - float(rec.get("heartbeat") or rec.get("started") or 0))
+        for k, old in leases.items():
+            with contextlib.suppress(OSError):
+                fsys.rm_file(old)
+        return n + 1, path, mine
+    raise WorkdirBusy(f"workdir {workdir}: other runs keep taking its lock ({LOCK_NAME}.*); "
+                      "start one run per workdir, or pass another --workdir")
+
+
+class _Heartbeat:
+    """Rewrites the lease's time every HEARTBEAT_S until stopped; stops with an error line
+    when a newer lease shows another run took the workdir over."""
+
+    def __init__(self, workdir: str, fsys, root: str, n: int, path: str, rec: dict):
+        self.workdir, self.fsys, self.root, self.n, self.path, self.rec = (
+            workdir, fsys, root, n, path, rec)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jtb-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                newer = [k for k in _leases(self.fsys, self.root) if k > self.n]
+                if newer:
+                    other = _read_lease(self.fsys, _leases(self.fsys, self.root)[max(newer)]) or {}
+                    log.error("workdir %s: another run (pid %s on host %s) took its lock over: "
+                              "this run was not seen for %.0f s; both now write there, stop one",
+                              self.workdir, other.get("pid"), other.get("host"), LEASE_TTL_S)
+                    return
+                self.rec["heartbeat"] = time.time()
+                self.fsys.pipe_file(self.path, json.dumps(self.rec).encode())
+            except Exception as e:   # noqa: BLE001 - a failed request is retried next beat
+                log.warning("workdir %s: renewing its lock failed (%s); trying again in %.0f s",
+                            self.workdir, e, HEARTBEAT_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        with contextlib.suppress(OSError):
+            self.fsys.rm_file(self.path)
+
+
+@contextlib.contextmanager
+def _hold_remote(workdir: str) -> Iterator[None]:
+    try:
+        fsys, root = fs.url_fs(workdir)
+        n, path, rec = _take_lease(workdir, fsys, root.rstrip("/"))
+    except WorkdirBusy:
+        raise
+    except Exception as e:   # noqa: BLE001 - as for a filesystem without flock
+        log.warning("workdir %s: cannot take its lock (%s); running without the one-run-per-"
+                    "workdir check", workdir, e)
+        yield
+        return
+    beat = _Heartbeat(workdir, fsys, root.rstrip("/"), n, path, rec)
+    try:
+        yield
+    finally:
+        beat.stop()
+
+
+# --------------------------------------------------------------------------- hold
+
 @contextlib.contextmanager
 def hold(workdir: str) -> Iterator[None]:
     """Holds `workdir` (created if missing) for this process while the block runs.
 
     Raises WorkdirBusy, naming the holder and the fix, when another live process holds it."""
-    if fcntl is None or fs.is_remote(workdir) or jax.process_index() != 0:
+    if jax.process_index() != 0:
+        yield
+        return
+    if fs.is_remote(workdir):
+        with _hold_remote(workdir):
+            yield
+        return
+    if fcntl is None:
         yield
         return
     os.makedirs(workdir, exist_ok=True)
@@ -95,8 +244,7 @@ def hold(workdir: str) -> Iterator[None]:
                         "workdir check", workdir, LOCK_NAME, e)
             yield
             return
-        rec = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-               "command": _command()}
+        rec = _record()
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(rec).encode(), 0)
         try:

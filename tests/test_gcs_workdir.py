@@ -11,14 +11,17 @@ several hosts writing) is listed in docs/testing.md.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
 from helpers import gcs_emulator
 from helpers import tiny_run as T
+from jax_tinybert import workdir_lock
 
 pytestmark = pytest.mark.skipif(gcs_emulator.available() is not None,
                                 reason=str(gcs_emulator.available()))
@@ -33,6 +36,35 @@ def emulator():
 
 
 _objects = gcs_emulator.objects
+
+
+def _put(url: str, data: bytes) -> None:
+    from jax_tinybert import fs
+
+    fsys, p = fs.url_fs(url)
+    fsys.pipe_file(p, data)
+
+
+def _fs_rm(url: str) -> None:
+    from jax_tinybert import fs
+
+    fsys, p = fs.url_fs(url)
+    fsys.rm_file(p)
+
+
+def _lease(pid: int, host: str, seen_s_ago: float) -> bytes:
+    """A lease record as another run writes it, last renewed `seen_s_ago` seconds ago."""
+    now = time.time()
+    return json.dumps({"pid": pid, "host": host, "started": now - 600,
+                       "command": "python -m jax_tinybert.main --config=...",
+                       "heartbeat": now - seen_s_ago, "token": "other"}).encode()
+
+
+def _wait_for(cond, timeout=20.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.05)
 
 
 def _read(url):
@@ -97,8 +129,21 @@ def test_cli_run_preempted_and_resumed_in_a_bucket(emulator, tmp_path_factory, t
     assert any(n.startswith("cache/sst-2-train-16-") and n.endswith(".npz") for n in got), got
     assert sum(n.startswith("tb/events.out.tfevents.") for n in got) == 1, got
     assert "summary.json" not in got
+    assert not [n for n in got if n.startswith(workdir_lock.LOCK_NAME)], got   # released
     first = [json.loads(l) for l in _read(f"{wd}/metrics.jsonl").splitlines()]
     assert max(r["step"] for r in first) >= saved    # uploaded when the run stopped
+
+    # A run on another host holds the workdir (its lease was renewed 5 s ago): the same
+    # command stops at once, in one line, and writes nothing.
+    _put(f"{wd}/{workdir_lock.LOCK_NAME}.1", _lease(4242, "other-host", seen_s_ago=5))
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *_args(wd, teacher)], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert res.returncode == 2 and len(errors) == 1, res.stdout[-2000:] + res.stderr[-3000:]
+    assert errors[0].startswith(f"error: workdir {wd} is in use by another run (pid 4242 on "
+                                "host other-host, since "), errors[0]
+    assert _objects(wd) == sorted(got + [f"{workdir_lock.LOCK_NAME}.1"])
+    _fs_rm(f"{wd}/{workdir_lock.LOCK_NAME}.1")   # that run ended
 
     res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *_args(wd, teacher)], env=env,
                          cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -113,6 +158,7 @@ def test_cli_run_preempted_and_resumed_in_a_bucket(emulator, tmp_path_factory, t
     assert any(n.startswith("best/") and n.endswith("/digests.json") for n in got), got
     assert sum(n.startswith("tb/events.out.tfevents.") for n in got) == 1, got
     assert not [n for n in got if ".tmp-" in n or "orbax-checkpoint-tmp" in n], got
+    assert not [n for n in got if n.startswith(workdir_lock.LOCK_NAME)], got
     summary = json.loads(_read(f"{wd}/summary.json"))
     assert summary["steps"] == STEPS and summary["export"] == f"{wd}/export"
     assert [e["step"] for e in summary["eval_history"]] == [4, 8]
@@ -147,3 +193,61 @@ def test_missing_bucket_is_a_one_line_error(emulator, tmp_path):
     err = res.stderr.strip().splitlines()
     assert err == ["error: --workdir=gs://no-such-bucket/run: bucket no-such-bucket does not "
                    "exist (create it, or fix the URL)"], err
+
+
+# --------------------------------------------------------------------------- the lease
+
+def test_a_bucket_workdir_is_held_by_a_lease_renewed_while_the_run_lives(emulator, monkeypatch):
+    """gs:// has no flock: the run holds `.jtb-lock.1`, created only if absent, naming it and
+    renewed every HEARTBEAT_S; a second run is refused naming the holder and when it was last
+    seen; the lease is deleted at the end, and the next run takes the workdir."""
+    monkeypatch.setattr(workdir_lock, "HEARTBEAT_S", 0.2)
+    wd = f"gs://{emulator.bucket}/lease/live"
+    lease = f"{wd}/{workdir_lock.LOCK_NAME}.1"
+    with workdir_lock.hold(wd):
+        assert _objects(wd) == [f"{workdir_lock.LOCK_NAME}.1"]
+        rec = json.loads(_read(lease))
+        assert rec["pid"] == os.getpid() and rec["command"]
+        with pytest.raises(workdir_lock.WorkdirBusy) as e:
+            with workdir_lock.hold(wd):
+                pass
+        msg = str(e.value)
+        assert msg.startswith(f"workdir {wd} is in use by another run (pid {os.getpid()} on host "
+                              ), msg
+        assert "last seen 0 s ago" in msg and "until 120 s after it was last seen" in msg, msg
+        _wait_for(lambda: json.loads(_read(lease))["heartbeat"] > rec["heartbeat"])
+    assert _objects(wd) == []
+    with workdir_lock.hold(wd):
+        assert _objects(wd) == [f"{workdir_lock.LOCK_NAME}.1"]
+    assert _objects(wd) == []
+
+
+def test_a_killed_holders_lease_lapses_and_is_taken_over(emulator, caplog):
+    """A lease whose holder was last seen less than LEASE_TTL_S ago refuses the run; one seen
+    longer ago (a run killed without its exit) is taken over: `.jtb-lock.<n+1>` created, the
+    old one deleted, a warning naming the old holder."""
+    wd = f"gs://{emulator.bucket}/lease/dead"
+    _put(f"{wd}/{workdir_lock.LOCK_NAME}.3", _lease(999999, "gone-host", seen_s_ago=100))
+    with pytest.raises(workdir_lock.WorkdirBusy, match="gone-host.*last seen 10[01] s ago"):
+        with workdir_lock.hold(wd):
+            pass
+    _put(f"{wd}/{workdir_lock.LOCK_NAME}.3", _lease(999999, "gone-host", seen_s_ago=200))
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.workdir_lock"):
+        with workdir_lock.hold(wd):
+            assert _objects(wd) == [f"{workdir_lock.LOCK_NAME}.4"]
+            assert json.loads(_read(f"{wd}/{workdir_lock.LOCK_NAME}.4"))["pid"] == os.getpid()
+    assert "took the lock over from pid 999999 on host gone-host, last seen 20" in caplog.text
+    assert _objects(wd) == []
+
+
+def test_a_holder_that_lost_its_lease_says_so(emulator, monkeypatch, caplog):
+    """A holder silent for longer than the TTL (a frozen VM) whose lease another run took
+    over finds the newer lease at its next renewal and says so in an error line."""
+    monkeypatch.setattr(workdir_lock, "HEARTBEAT_S", 0.1)
+    wd = f"gs://{emulator.bucket}/lease/lost"
+    with caplog.at_level(logging.ERROR, logger="jax_tinybert.workdir_lock"):
+        with workdir_lock.hold(wd):
+            _put(f"{wd}/{workdir_lock.LOCK_NAME}.2", _lease(777, "new-host", seen_s_ago=0))
+            _wait_for(lambda: "took its lock over" in caplog.text)
+    assert "another run (pid 777 on host new-host) took its lock over" in caplog.text
+    assert _objects(wd) == [f"{workdir_lock.LOCK_NAME}.2"]   # ours deleted, theirs kept
