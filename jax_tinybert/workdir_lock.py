@@ -180,7 +180,7 @@ class _Heartbeat:
                 if newer:
                     other = _read_lease(self.fsys, _leases(self.fsys, self.root)[max(newer)]) or {}
                     log.error("workdir %s: another run (pid %s on host %s) took its lock over: "
-                              "this run was not seen for %.0f s; both now write there, stop one",
+                              "this run was not seen for over %.0f s; both now write there, stop one",
                               self.workdir, other.get("pid"), other.get("host"), LEASE_TTL_S)
                     return
                 self.rec["heartbeat"] = time.time()
@@ -198,21 +198,21 @@ class _Heartbeat:
 
 @contextlib.contextmanager
 def _hold_remote(workdir: str) -> Iterator[None]:
+    beat = None
     try:
         fsys, root = fs.url_fs(workdir)
         n, path, rec = _take_lease(workdir, fsys, root.rstrip("/"))
+        beat = _Heartbeat(workdir, fsys, root.rstrip("/"), n, path, rec)
     except WorkdirBusy:
         raise
     except Exception as e:   # noqa: BLE001 - as for a filesystem without flock
         log.warning("workdir %s: cannot take its lock (%s); running without the one-run-per-"
                     "workdir check", workdir, e)
-        yield
-        return
-    beat = _Heartbeat(workdir, fsys, root.rstrip("/"), n, path, rec)
-    try:
+    try:   # the run's own exceptions are not raised inside the handler above
         yield
     finally:
-        beat.stop()
+        if beat is not None:
+            beat.stop()
 
 
 # --------------------------------------------------------------------------- hold
@@ -235,6 +235,7 @@ def hold(workdir: str) -> Iterator[None]:
     os.makedirs(workdir, exist_ok=True)
     fd = os.open(os.path.join(workdir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -242,15 +243,15 @@ def hold(workdir: str) -> Iterator[None]:
         except OSError as e:
             log.warning("workdir %s: cannot lock %s (%s); running without the one-run-per-"
                         "workdir check", workdir, LOCK_NAME, e)
-            yield
-            return
-        rec = _record()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(rec).encode(), 0)
-        try:
+            locked = False
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(_record()).encode(), 0)
+        try:   # the run's own exceptions are not raised inside the handler above
             yield
         finally:
-            os.ftruncate(fd, 0)
+            if locked:
+                os.ftruncate(fd, 0)
     finally:
         os.close(fd)   # drops the lock
 
