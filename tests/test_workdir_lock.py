@@ -69,11 +69,26 @@ def test_released_on_an_exception_and_held_again(tmp_path):
     assert os.listdir(wd) == [workdir_lock.LOCK_NAME]
 
 
-def test_bucket_workdirs_are_not_locked(tmp_path, monkeypatch):
+def test_a_bucket_workdir_whose_lease_cannot_be_taken_runs_unlocked(tmp_path, monkeypatch,
+                                                                    caplog):
+    """gs:// workdirs are held by a lease object (tests/test_gcs_workdir.py, on the emulator);
+    where the store cannot be used for it, the run goes on unlocked with a warning, as on a
+    filesystem without flock, and writes nothing locally."""
+    import logging
+
+    from jax_tinybert import fs
+
+    def no_backend(path):
+        raise fs.RemoteFSError("gs:// URLs need gcsfs: pip install gcsfs")
+
     monkeypatch.chdir(tmp_path)
-    with workdir_lock.hold("gs://bucket/run"):
+    monkeypatch.setattr(workdir_lock.fs, "url_fs", no_backend)
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.workdir_lock"):
         with workdir_lock.hold("gs://bucket/run"):
-            pass
+            with workdir_lock.hold("gs://bucket/run"):
+                pass
+    assert caplog.text.count("cannot take its lock (gs:// URLs need gcsfs") == 2, caplog.text
+    assert "running without the one-run-per-workdir check" in caplog.text
     assert os.listdir(tmp_path) == []   # nothing written locally
 
 
