@@ -64,7 +64,6 @@ class Compiler:
     def __init__(self, workers: int = 1):
         if workers < 1:
             raise ValueError(f"Compiler needs at least one worker thread, got {workers}")
-        self.workers = workers
         # The pool runs one `_next` per submitted program; each takes whichever job is first
         # in the queue when a worker gets to it, so the queue's order can change meanwhile.
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jtb-compile")

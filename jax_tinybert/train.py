@@ -448,15 +448,14 @@ def _checkpoint_seconds(config: ml_collections.ConfigDict) -> float:
 
 def _save_and_maybe_stop(config, ckpt: Checkpointer, preemption: Preemption,
                          writer: MetricsWriter, step: int, total: int, state, metrics, meta: dict,
-                         workdir: str, save_timer: Optional[SaveTimer] = None) -> None:
+                         workdir: str, save_timer: SaveTimer) -> None:
     """The periodic / final checkpoint; on a preemption (agreed by every process, within a
     step or two of the signal), a final save and `Preempted`. A step whose metrics (loss,
     gradient norm) are not finite is never saved, logged or not."""
     def finite():   # the save reads the state back anyway: this sync costs nothing more
         check_finite(config, step, {k: float(v) for k, v in jax.device_get(metrics).items()})
 
-    periodic = (step != total and step % ckpt.save_interval_steps == 0
-                and (save_timer is None or save_timer.due()))
+    periodic = (step != total and step % ckpt.save_interval_steps == 0 and save_timer.due())
     if step == total or periodic:
         finite()
         ckpt.save(step, state, meta, force=True)

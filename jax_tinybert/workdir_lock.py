@@ -36,7 +36,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from typing import Dict, Iterator, Optional, Tuple
 
 import jax
@@ -135,7 +134,6 @@ def _take_lease(workdir: str, fsys, root: str) -> Tuple[int, str, dict]:
     for _ in range(5):   # each pass ends unless another run changed the leases meanwhile
         leases = _leases(fsys, root)
         n = max(leases, default=0)
-        rec = None
         if n:
             rec = _read_lease(fsys, leases[n])
             if rec is None:
@@ -143,7 +141,7 @@ def _take_lease(workdir: str, fsys, root: str) -> Tuple[int, str, dict]:
             age = time.time() - float(rec.get("heartbeat") or rec.get("started") or 0)
             if age < LEASE_TTL_S:
                 raise WorkdirBusy(_busy_message(workdir, rec, age))
-        mine = dict(_record(), heartbeat=time.time(), token=uuid.uuid4().hex)
+        mine = dict(_record(), heartbeat=time.time())
         path = f"{root}/{LOCK_NAME}.{n + 1}"
         try:
             fsys.pipe_file(path, json.dumps(mine).encode(), mode="create")
@@ -152,8 +150,7 @@ def _take_lease(workdir: str, fsys, root: str) -> Tuple[int, str, dict]:
         if n:
             log.warning("workdir %s: took the lock over from pid %s on host %s, last seen %.0f s "
                         "ago (killed without its exit, or its host lost)", workdir,
-                        rec.get("pid"), rec.get("host"),
-                        time.time() - float(rec.get("heartbeat") or rec.get("started") or 0))
+                        rec.get("pid"), rec.get("host"), age)
         for k, old in leases.items():
             with contextlib.suppress(OSError):
                 fsys.rm_file(old)
@@ -176,9 +173,10 @@ class _Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                newer = [k for k in _leases(self.fsys, self.root) if k > self.n]
-                if newer:
-                    other = _read_lease(self.fsys, _leases(self.fsys, self.root)[max(newer)]) or {}
+                leases = _leases(self.fsys, self.root)
+                newer = max((k for k in leases if k > self.n), default=None)
+                if newer is not None:
+                    other = _read_lease(self.fsys, leases[newer]) or {}
                     log.error("workdir %s: another run (pid %s on host %s) took its lock over: "
                               "this run was not seen for over %.0f s; both now write there, stop one",
                               self.workdir, other.get("pid"), other.get("host"), LEASE_TTL_S)
@@ -201,8 +199,9 @@ def _hold_remote(workdir: str) -> Iterator[None]:
     beat = None
     try:
         fsys, root = fs.url_fs(workdir)
-        n, path, rec = _take_lease(workdir, fsys, root.rstrip("/"))
-        beat = _Heartbeat(workdir, fsys, root.rstrip("/"), n, path, rec)
+        root = root.rstrip("/")
+        n, path, rec = _take_lease(workdir, fsys, root)
+        beat = _Heartbeat(workdir, fsys, root, n, path, rec)
     except WorkdirBusy:
         raise
     except Exception as e:   # noqa: BLE001 - as for a filesystem without flock

@@ -44,38 +44,38 @@ def wants_autotune(environ: Optional[Mapping[str, str]] = None) -> bool:
 # the kernels beside them (jax-cuda12-plugin: jax_cuda12_plugin), CUDA or ROCm.
 _GPU_PLUGINS = ("jax_plugins/xla_cuda*", "jax_plugins/xla_rocm*", "jax_cuda*_plugin",
                 "jax_rocm*_plugin")
+_GPU_NAMES = ("cuda", "gpu", "rocm")   # in JAX_PLATFORMS
+
+
+def _installed(patterns: Iterable[str], paths: Optional[Iterable[str]]) -> bool:
+    return any(glob.glob(os.path.join(d, pattern)) for d in (sys.path if paths is None else paths)
+               if d and os.path.isdir(d) for pattern in patterns)
 
 
 def gpu_plugin_installed(paths: Optional[Iterable[str]] = None) -> bool:
     """Whether a JAX GPU plugin is installed in one of `paths` (default sys.path)."""
-    return any(glob.glob(os.path.join(d, pattern)) for d in (sys.path if paths is None else paths)
-               if d and os.path.isdir(d) for pattern in _GPU_PLUGINS)
+    return _installed(_GPU_PLUGINS, paths)
+
+
+def _possible(names: Iterable[str], patterns: Iterable[str], environ, paths) -> bool:
+    env = os.environ if environ is None else environ
+    platforms = env.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return any(p in platforms for p in names)
+    return not env.get("JTB_CPU_DEVICES") and _installed(patterns, paths)
 
 
 def gpu_possible(environ: Optional[Mapping[str, str]] = None,
                  paths: Optional[Iterable[str]] = None) -> bool:
     """Whether this process may run on a GPU: JAX_PLATFORMS, when set, names cuda/gpu/rocm;
     else no simulated CPU devices (JTB_CPU_DEVICES) and a GPU plugin installed."""
-    env = os.environ if environ is None else environ
-    platforms = env.get("JAX_PLATFORMS", "").lower()
-    if platforms:
-        return any(p in platforms for p in ("cuda", "gpu", "rocm"))
-    return not env.get("JTB_CPU_DEVICES") and gpu_plugin_installed(paths)
+    return _possible(_GPU_NAMES, _GPU_PLUGINS, environ, paths)
 
 
 def accelerator_possible(environ: Optional[Mapping[str, str]] = None,
                          paths: Optional[Iterable[str]] = None) -> bool:
-    """Whether this process may run on a GPU or a TPU: `gpu_possible`, or JAX_PLATFORMS naming
-    tpu, or (JAX_PLATFORMS unset, no simulated CPU devices) libtpu installed."""
-    env = os.environ if environ is None else environ
-    if gpu_possible(env, paths):
-        return True
-    platforms = env.get("JAX_PLATFORMS", "").lower()
-    if platforms:
-        return "tpu" in platforms
-    return not env.get("JTB_CPU_DEVICES") and any(
-        glob.glob(os.path.join(d, "libtpu*")) for d in (sys.path if paths is None else paths)
-        if d and os.path.isdir(d))
+    """`gpu_possible`, with TPUs too: JAX_PLATFORMS naming tpu, or libtpu installed."""
+    return _possible(_GPU_NAMES + ("tpu",), _GPU_PLUGINS + ("libtpu*",), environ, paths)
 
 
 def with_gpu_fast_compile(flags: str, environ: Optional[Mapping[str, str]] = None,

@@ -57,7 +57,7 @@ def _lease(pid: int, host: str, seen_s_ago: float) -> bytes:
     now = time.time()
     return json.dumps({"pid": pid, "host": host, "started": now - 600,
                        "command": "python -m jax_tinybert.main --config=...",
-                       "heartbeat": now - seen_s_ago, "token": "other"}).encode()
+                       "heartbeat": now - seen_s_ago}).encode()
 
 
 def _wait_for(cond, timeout=20.0):
