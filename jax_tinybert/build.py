@@ -369,6 +369,39 @@ class Step:
 # epoch), so they always split. Not measured on an accelerator, where the fused step stays.
 SPLIT_STEPS_PER_BUCKET = {"cpu": 500}
 SPLIT_ALWAYS_OBJECTIVES = {"cpu": ("tinybert_intermediate",)}
+# The train step's forwards in row chunks of at most this many tokens, on one CPU device
+# (step.num_chunks): the teacher's always (a forward compiles cheaply: 3.6 -> 4.6 s at T 128,
+# 1.06x steps), the student's in runs of CHUNK_STUDENT_MIN_STEPS steps per length bucket or
+# more, which repay its slower compilation (each chunk a forward and backward of its own:
+# 4.6 -> 9.2 s at T 128, for 1.07x more). benchmarks/RESULTS.md, "Forwards in row chunks".
+CHUNK_TOKENS = {"cpu": 1024}
+CHUNK_STUDENT_MIN_STEPS = 100
+
+
+def chunk_tokens(config, mesh, total_steps: int, num_buckets: int) -> Tuple[int, int]:
+    """(teacher, student) tokens per forward chunk of the train step (`step.make_loss_fn`):
+    train.chunk_tokens for both when >= 0 (0: whole batches); -1 = auto: CHUNK_TOKENS on one
+    device of this backend (several would each hold a slice of every chunk), the student's only
+    in runs of total_steps >= CHUNK_STUDENT_MIN_STEPS x num_buckets."""
+    v = int(config.train.chunk_tokens)
+    if v >= 0:
+        return v, v
+    if mesh.devices.size != 1:
+        return 0, 0
+    auto = CHUNK_TOKENS.get(jax.default_backend(), 0)
+    return auto, auto if total_steps >= CHUNK_STUDENT_MIN_STEPS * max(1, num_buckets) else 0
+
+
+def _chunks_note(config, mesh, total_steps: int, num_buckets: int, teacher) -> str:
+    """'; ... in row chunks of ...' for the train step's log line ('' when nothing is chunked)."""
+    t, s = chunk_tokens(config, mesh, total_steps, num_buckets)
+    parts = [f"the teacher's forward in row chunks of <= {t} tokens"] if teacher and t else []
+    if s:
+        parts.append(f"the student's forward and backward in row chunks of <= {s} tokens")
+    elif t and config.train.chunk_tokens < 0:
+        parts.append(f"the student's whole (fewer than {CHUNK_STUDENT_MIN_STEPS} steps a "
+                     "bucket repay its chunks' compilation)")
+    return "; " + ", ".join(parts) + " (train.chunk_tokens)" if parts else ""
 
 
 def splits_update(config, total_steps: int, num_buckets: int) -> bool:
@@ -408,7 +441,10 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
         abstract_teacher = _with_shardings(teacher_abs, teacher_sh)
     loss_fn = step_lib.make_loss_fn(student, teacher, objective,
                                     teacher_dropout=config.teacher.dropout,
-                                    student_dropout=config.student.dropout)
+                                    student_dropout=config.student.dropout,
+                                    **dict(zip(("teacher_chunk_tokens", "student_chunk_tokens"),
+                                               chunk_tokens(config, mesh, total_steps,
+                                                            num_buckets))))
     accum = config.train.grad_accum
     pad = optim.resolve(optimizer_config(config))["pad_token_id"]
     if splits_update(config, total_steps, num_buckets):
@@ -579,9 +615,10 @@ def build_run(config, workdir: str) -> Run:
                       student_params=models.student_params, teacher_params=models.teacher_params,
                       mesh=mesh, total_steps=total, with_eval=evaluates(obj, data),
                       num_buckets=len(data.train_batches.buckets))
-    log.info("train step: %s (train.split_update=%s, %d steps, %d length buckets)",
+    log.info("train step: %s (train.split_update=%s, %d steps, %d length buckets)%s",
              "a gradient program per bucket and one update program"
              if isinstance(step.train_step, step_lib.SplitTrainStep) else "one program per bucket",
-             config.train.split_update, total, len(data.train_batches.buckets))
+             config.train.split_update, total, len(data.train_batches.buckets),
+             _chunks_note(config, mesh, total, len(data.train_batches.buckets), teacher))
     return Run(config, mesh, data, models, obj, total, step, None,
                step.put_teacher(models.teacher_params), builder, spec)

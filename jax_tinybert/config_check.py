@@ -23,7 +23,9 @@ from jax_tinybert.hf import WEIGHT_FILES, resolve_path
 # Fields that do not change the trained model: a run may resume with other values.
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
                     "train.max_to_keep", "train.eval_batch_size", "export.enabled",
-                    "data.cache_dir", "train.compile_workers", "train.checkpoint_seconds"}
+                    "data.cache_dir", "train.compile_workers", "train.checkpoint_seconds",
+                    # draws the dropout masks otherwise, as auto does on another backend
+                    "train.chunk_tokens"}
 # Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may
 # change them (to extend a run), with a warning naming the schedule change.
 SCHEDULE_FIELDS = ("train.num_steps", "train.num_epochs")
@@ -121,6 +123,8 @@ NUMERIC_RULES = {
     "train.max_to_keep": (_GE1, "periodic checkpoints kept"),
     "train.seed": (_NONNEG, ""),
     "train.compile_workers": (_NONNEG, "0 = auto: 1 on CPU, one per 4 host cores on a GPU/TPU"),
+    "train.chunk_tokens": (("-1 (auto) or >= 0", lambda v: v == -1 or v >= 0),
+                           "tokens per forward chunk of the train step, 0 = whole batches"),
     "objective.temperature": (_POS, "the softmax temperature of the soft labels"),
     "objective.alpha": (_UNIT, "the weight of the KD term; the hard-label term gets 1 - alpha"),
     "objective.beta": (_NONNEG, "the weight of the patience term"),

@@ -36,9 +36,43 @@ def _apply(model: nn.Module, params, batch, *, deterministic: bool, attention_lo
                        rngs=None if deterministic else {"dropout": rng}, cls_only=cls_only)
 
 
+def num_chunks(batch_size: int, seq_len: int, chunk_tokens: int) -> int:
+    """How many equal row chunks a forward of [batch_size, seq_len] runs in: the fewest whose
+    rows hold at most `chunk_tokens` tokens (one row at least; chunk_tokens 0: one chunk)."""
+    if chunk_tokens <= 0:
+        return 1
+    rows = max(1, chunk_tokens // max(1, seq_len))
+    return next(n for n in range(1, batch_size + 1) if batch_size % n == 0
+                and batch_size // n <= rows)
+
+
+def _apply_chunked(model: nn.Module, params, batch, chunk_tokens: int, *, deterministic: bool,
+                   rng, **kw):
+    """`_apply` over the batch's rows in `num_chunks` chunks, each a forward of its own in the
+    same program, outputs concatenated ([B, ...] as one forward). On CPU a chunk's [rows, H,
+    T, T] attention tensors and [rows * T, d_ff] activations stay in cache (benchmarks/
+    RESULTS.md, "Forwards in row chunks"). Rows are computed as alone; with dropout each chunk
+    draws from its own key (fold_in(rng, i)), so the draws differ from one whole forward's."""
+    B, T = batch["input_ids"].shape
+    n = num_chunks(B, T, chunk_tokens)
+    if n == 1:
+        return _apply(model, params, batch, deterministic=deterministic, rng=rng, **kw)
+    c = B // n
+    outs = [_apply(model, params, {k: batch[k][i * c:(i + 1) * c] for k in MODEL_KEYS},
+                   deterministic=deterministic,
+                   rng=None if deterministic else jax.random.fold_in(rng, i), **kw)
+            for i in range(n)]
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *outs)
+
+
 def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
-                 teacher_dropout: bool = False, student_dropout: bool = True) -> Callable:
-    """-> loss_fn(params, teacher_params, batch, rng) -> (loss, terms). Pure."""
+                 teacher_dropout: bool = False, student_dropout: bool = True,
+                 teacher_chunk_tokens: int = 0, student_chunk_tokens: int = 0) -> Callable:
+    """-> loss_fn(params, teacher_params, batch, rng) -> (loss, terms). Pure.
+
+    teacher_chunk_tokens / student_chunk_tokens: each model forwards the batch in row chunks
+    of at most this many tokens (`num_chunks`; 0: the whole batch at once). The same loss and
+    gradients (to float rounding); a student with dropout draws other masks."""
     use_teacher = teacher is not None and objective.needs_teacher
     # A loss that reads logits and [CLS] vectors only needs the last layers' [CLS] rows: the
     # same loss and gradients for ~5/6 less of that layer's work (dropout draws differ).
@@ -48,14 +82,16 @@ def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
         r_s, r_t = jax.random.split(rng)
         t_out = None
         if use_teacher and not any(k in batch for k in CACHED_KEYS):
-            t_out = _apply(teacher, teacher_params, batch, deterministic=not teacher_dropout,
-                           attention_logits=objective.teacher_attention_layers, rng=r_t,
-                           cls_only=cls_only)
+            t_out = _apply_chunked(teacher, teacher_params, batch, teacher_chunk_tokens,
+                                   deterministic=not teacher_dropout,
+                                   attention_logits=objective.teacher_attention_layers, rng=r_t,
+                                   cls_only=cls_only)
             t_out = jax.tree_util.tree_map(
                 lambda x: jax.lax.stop_gradient(x.astype(jnp.float32)), t_out)
-        s_out = _apply(student, params["student"], batch, deterministic=not student_dropout,
-                       attention_logits=objective.student_attention_layers, rng=r_s,
-                       cls_only=cls_only)
+        s_out = _apply_chunked(student, params["student"], batch, student_chunk_tokens,
+                               deterministic=not student_dropout,
+                               attention_logits=objective.student_attention_layers, rng=r_s,
+                               cls_only=cls_only)
         return objective(params.get("proj", {}), s_out, t_out, batch)
 
     return loss_fn

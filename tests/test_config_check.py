@@ -42,6 +42,8 @@ def _set(c, field, value):
     ("train.eval_every", -1, "must be >= 0"),
     ("train.max_to_keep", 0, "must be >= 1"),
     ("train.compile_workers", -2, r"must be >= 0 \(0 = auto"),
+    ("train.chunk_tokens", -2, r"must be -1 \(auto\) or >= 0"),
+    ("train.chunk_tokens", 1.5, "must be an integer"),
     ("data.max_len", 2, r"must be in \[4, 8192\]"),
     ("data.buckets", (0, 64), "must be a tuple of positive integers"),
     ("data.max_buckets", 0, "must be >= 1"),
