@@ -370,37 +370,34 @@ class Step:
 SPLIT_STEPS_PER_BUCKET = {"cpu": 500}
 SPLIT_ALWAYS_OBJECTIVES = {"cpu": ("tinybert_intermediate",)}
 # The train step's forwards in row chunks of at most this many tokens, on one CPU device
-# (step.num_chunks): the teacher's always (a forward compiles cheaply: 3.6 -> 4.6 s at T 128,
-# 1.06x steps), the student's in runs of CHUNK_STUDENT_MIN_STEPS steps per length bucket or
-# more, which repay its slower compilation (each chunk a forward and backward of its own:
-# 4.6 -> 9.2 s at T 128, for 1.07x more). benchmarks/RESULTS.md, "Forwards in row chunks".
+# (step.num_chunks), in runs of CHUNK_MIN_STEPS steps per length bucket or more: each chunk is a
+# forward (the student's with its backward) of its own, and the program compiles longer (at T
+# 128: 3.6 s whole, 4.6 with the teacher's in chunks, 9.2 with the student's too, for steps
+# 1.06x and 1.13x faster). A short run loses: MRPC's one-epoch intermediate stage (23 steps a
+# bucket) took 109-111 s with both chunked against 100-101 s. benchmarks/RESULTS.md, "Forwards
+# in row chunks".
 CHUNK_TOKENS = {"cpu": 1024}
-CHUNK_STUDENT_MIN_STEPS = 100
+CHUNK_MIN_STEPS = 100
 
 
 def chunk_tokens(config, mesh, total_steps: int, num_buckets: int) -> Tuple[int, int]:
     """(teacher, student) tokens per forward chunk of the train step (`step.make_loss_fn`):
     train.chunk_tokens for both when >= 0 (0: whole batches); -1 = auto: CHUNK_TOKENS on one
-    device of this backend (several would each hold a slice of every chunk), the student's only
-    in runs of total_steps >= CHUNK_STUDENT_MIN_STEPS x num_buckets."""
+    device of this backend (several would each hold a slice of every chunk), in runs of
+    total_steps >= CHUNK_MIN_STEPS x num_buckets; else 0."""
     v = int(config.train.chunk_tokens)
-    if v >= 0:
-        return v, v
-    if mesh.devices.size != 1:
-        return 0, 0
-    auto = CHUNK_TOKENS.get(jax.default_backend(), 0)
-    return auto, auto if total_steps >= CHUNK_STUDENT_MIN_STEPS * max(1, num_buckets) else 0
+    if v < 0:
+        long_run = total_steps >= CHUNK_MIN_STEPS * max(1, num_buckets)
+        v = CHUNK_TOKENS.get(jax.default_backend(), 0) if mesh.devices.size == 1 and long_run \
+            else 0
+    return v, v
 
 
 def _chunks_note(config, mesh, total_steps: int, num_buckets: int, teacher) -> str:
     """'; ... in row chunks of ...' for the train step's log line ('' when nothing is chunked)."""
     t, s = chunk_tokens(config, mesh, total_steps, num_buckets)
-    parts = [f"the teacher's forward in row chunks of <= {t} tokens"] if teacher and t else []
-    if s:
-        parts.append(f"the student's forward and backward in row chunks of <= {s} tokens")
-    elif t and config.train.chunk_tokens < 0:
-        parts.append(f"the student's whole (fewer than {CHUNK_STUDENT_MIN_STEPS} steps a "
-                     "bucket repay its chunks' compilation)")
+    parts = ([f"the teacher's forward in row chunks of <= {t} tokens"] if teacher and t else []) + \
+        ([f"the student's forward and backward in row chunks of <= {s} tokens"] if s else [])
     return "; " + ", ".join(parts) + " (train.chunk_tokens)" if parts else ""
 
 

@@ -110,8 +110,8 @@ def base_config() -> ml_collections.ConfigDict:
         # host cores, at most 4, so a second bucket's program does not stall the epoch).
         compile_workers=0,
         # The step's forwards in row chunks of at most this many tokens (0 = whole batches):
-        # -1 = auto, on one CPU device 1,024 for the teacher, and for the student in runs of
-        # >= 100 steps per length bucket (its chunks compile longer); none on accelerators.
+        # -1 = auto, 1,024 on one CPU device in runs of >= 100 steps per length bucket, which
+        # repay the longer compilation; none on accelerators.
         chunk_tokens=-1,
         # The optimizer update as a program of its own, compiled once instead of in every
         # length bucket's step (step.SplitTrainStep): auto (short runs, build.splits_update) |

@@ -104,8 +104,8 @@ def _mesh(n):
 
 
 @pytest.mark.parametrize("value,devices,backend,steps,buckets,expect", [
-    (-1, 1, "cpu", 500, 5, (1024, 1024)),    # 100 steps a bucket: the student too
-    (-1, 1, "cpu", 224, 5, (1024, 0)),       # MRPC's 2-epoch intermediate stage: 45 a bucket
+    (-1, 1, "cpu", 500, 5, (1024, 1024)),    # 100 steps a bucket
+    (-1, 1, "cpu", 224, 5, (0, 0)),          # MRPC's 2-epoch intermediate stage: 45 a bucket
     (-1, 1, "cpu", 100, 1, (1024, 1024)),
     (-1, 8, "cpu", 5000, 1, (0, 0)),         # simulated devices: no chunks
     (-1, 1, "gpu", 5000, 1, (0, 0)),
