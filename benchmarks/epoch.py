@@ -24,7 +24,10 @@ appeared. References, timed in the same run on the same machine, before and afte
 
 Per step at equal shapes (batch 32 x task length, random data): our jitted step vs the official
 step and vs the PyTorch reference (benchmarks/step_throughput.py), and the best fp32 matmul rate
-any library reaches here (XLA and torch/MKL, 2048^3) with the step's share of it.
+any library reaches here (XLA and torch/MKL, 2048^3) with the step's share of it. Our step is the
+one a run of `--step_run_steps` (1,000) steps in one length bucket trains, as the official
+recipe's long stages do: on CPU with its forwards in row chunks, and the prediction and
+fine-tuning steps with their update fused (jax_tinybert/build.py).
 
 Each epoch's work is what the run itself reports by XLA's cost analysis of the programs it ran
 (the teacher's cache pass and the compiled-ahead train and eval steps; jax_tinybert/work.py).
@@ -346,7 +349,8 @@ def step_bench(args, seq: int, json_path: str) -> dict:
     matmul peaks of XLA and torch."""
     cmd = [sys.executable, os.path.join(_HERE, "step_throughput.py"), "--stages",
            "finetune,intermediate,pred", "--lengths", str(seq), "--steps", str(args.step_steps),
-           "--warmup", str(args.warmup), "--json", json_path]
+           "--warmup", str(args.warmup), "--run_steps", str(args.step_run_steps),
+           "--json", json_path]
     r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"step_throughput failed (exit {r.returncode}): {r.stderr[-3000:]}")
@@ -542,6 +546,10 @@ def parse_args(argv=None):
     p.add_argument("--step_steps", type=int, default=6, help="timed steps per step benchmark")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no_step_bench", action="store_true", help="skip the per-step comparison")
+    p.add_argument("--step_run_steps", type=int, default=1000,
+                   help="the compared step is the one a run of this many steps in one length "
+                        "bucket trains (row chunks from 100, the fused update above 500 on CPU; "
+                        "0: a run of only the timed steps)")
     p.add_argument("--scratch", default="/tmp/jax_tinybert_epoch",
                    help="workdirs and logs (each run starts from empty stage workdirs)")
     p.add_argument("--override", action="append", default=[],

@@ -715,7 +715,8 @@ def _bench_one(args, stage, tname, tlabel, tweights, tcfg, tparams, sname, scfg,
            "batch_size": B, "steps": steps, "warmup": args.warmup, "dtype": args.dtype,
            "teacher_weights": tweights}
     try:
-        case = Case(stage, tcfg, tparams, scfg, sparams, total_steps=args.warmup + 2 * steps,
+        case = Case(stage, tcfg, tparams, scfg, sparams,
+                    total_steps=args.run_steps or args.warmup + 2 * steps,
                     student_dropout=not args.no_student_dropout, dtype=args.dtype)
         j = time_jax(case, host_batch, args.warmup, steps, pipelined=accel)
     except Exception as e:  # noqa: BLE001
@@ -781,6 +782,10 @@ def parse_args(argv=None):
                    help="minilm: random weights of its shape instead of the packaged teacher")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
+    p.add_argument("--run_steps", type=int, default=0,
+                   help="build the step as a run of this many steps in one length bucket does "
+                        "(it decides the split update and the row chunks: jax_tinybert/build.py); "
+                        "0: the steps timed here, a short run's step")
     p.add_argument("--big-steps", type=int, default=3,
                    help="cap on timed steps for bert_base at length >= 128 (0 = no cap)")
     p.add_argument("--skip", type=_csv, default=[],

@@ -380,25 +380,24 @@ CHUNK_TOKENS = {"cpu": 1024}
 CHUNK_MIN_STEPS = 100
 
 
-def chunk_tokens(config, mesh, total_steps: int, num_buckets: int) -> Tuple[int, int]:
-    """(teacher, student) tokens per forward chunk of the train step (`step.make_loss_fn`):
-    train.chunk_tokens for both when >= 0 (0: whole batches); -1 = auto: CHUNK_TOKENS on one
-    device of this backend (several would each hold a slice of every chunk), in runs of
+def chunk_tokens(config, mesh, total_steps: int, num_buckets: int) -> int:
+    """Tokens per forward chunk of the train step, teacher and student (`step.make_loss_fn`):
+    train.chunk_tokens when >= 0 (0: whole batches); -1 = auto: CHUNK_TOKENS on one device of
+    this backend (several would each hold a slice of every chunk), in runs of
     total_steps >= CHUNK_MIN_STEPS x num_buckets; else 0."""
     v = int(config.train.chunk_tokens)
-    if v < 0:
-        long_run = total_steps >= CHUNK_MIN_STEPS * max(1, num_buckets)
-        v = CHUNK_TOKENS.get(jax.default_backend(), 0) if mesh.devices.size == 1 and long_run \
-            else 0
-    return v, v
+    if v >= 0:
+        return v
+    long_run = total_steps >= CHUNK_MIN_STEPS * max(1, num_buckets)
+    return CHUNK_TOKENS.get(jax.default_backend(), 0) if mesh.devices.size == 1 and long_run \
+        else 0
 
 
 def _chunks_note(config, mesh, total_steps: int, num_buckets: int, teacher) -> str:
-    """'; ... in row chunks of ...' for the train step's log line ('' when nothing is chunked)."""
-    t, s = chunk_tokens(config, mesh, total_steps, num_buckets)
-    parts = ([f"the teacher's forward in row chunks of <= {t} tokens"] if teacher and t else []) + \
-        ([f"the student's forward and backward in row chunks of <= {s} tokens"] if s else [])
-    return "; " + ", ".join(parts) + " (train.chunk_tokens)" if parts else ""
+    """'; forwards in row chunks ...' for the train step's log line ('' when not chunked)."""
+    n = chunk_tokens(config, mesh, total_steps, num_buckets)
+    return (f"; {'the teacher and ' if teacher else ''}the student forward in row chunks of "
+            f"<= {n} tokens (train.chunk_tokens)" if n else "")
 
 
 def splits_update(config, total_steps: int, num_buckets: int) -> bool:
@@ -439,9 +438,8 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
     loss_fn = step_lib.make_loss_fn(student, teacher, objective,
                                     teacher_dropout=config.teacher.dropout,
                                     student_dropout=config.student.dropout,
-                                    **dict(zip(("teacher_chunk_tokens", "student_chunk_tokens"),
-                                               chunk_tokens(config, mesh, total_steps,
-                                                            num_buckets))))
+                                    chunk_tokens=chunk_tokens(config, mesh, total_steps,
+                                                              num_buckets))
     accum = config.train.grad_accum
     pad = optim.resolve(optimizer_config(config))["pad_token_id"]
     if splits_update(config, total_steps, num_buckets):

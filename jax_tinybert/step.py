@@ -67,12 +67,12 @@ def _apply_chunked(model: nn.Module, params, batch, chunk_tokens: int, *, determ
 
 def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
                  teacher_dropout: bool = False, student_dropout: bool = True,
-                 teacher_chunk_tokens: int = 0, student_chunk_tokens: int = 0) -> Callable:
+                 chunk_tokens: int = 0) -> Callable:
     """-> loss_fn(params, teacher_params, batch, rng) -> (loss, terms). Pure.
 
-    teacher_chunk_tokens / student_chunk_tokens: each model forwards the batch in row chunks
-    of at most this many tokens (`num_chunks`; 0: the whole batch at once). The same loss and
-    gradients (to float rounding); a student with dropout draws other masks."""
+    chunk_tokens: teacher and student forward the batch in row chunks of at most this many
+    tokens (`num_chunks`; 0: the whole batch at once). The same loss and gradients (to float
+    rounding); with dropout, other masks."""
     use_teacher = teacher is not None and objective.needs_teacher
     # A loss that reads logits and [CLS] vectors only needs the last layers' [CLS] rows: the
     # same loss and gradients for ~5/6 less of that layer's work (dropout draws differ).
@@ -82,13 +82,13 @@ def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
         r_s, r_t = jax.random.split(rng)
         t_out = None
         if use_teacher and not any(k in batch for k in CACHED_KEYS):
-            t_out = _apply_chunked(teacher, teacher_params, batch, teacher_chunk_tokens,
+            t_out = _apply_chunked(teacher, teacher_params, batch, chunk_tokens,
                                    deterministic=not teacher_dropout,
                                    attention_logits=objective.teacher_attention_layers, rng=r_t,
                                    cls_only=cls_only)
             t_out = jax.tree_util.tree_map(
                 lambda x: jax.lax.stop_gradient(x.astype(jnp.float32)), t_out)
-        s_out = _apply_chunked(student, params["student"], batch, student_chunk_tokens,
+        s_out = _apply_chunked(student, params["student"], batch, chunk_tokens,
                                deterministic=not student_dropout,
                                attention_logits=objective.student_attention_layers, rng=r_s,
                                cls_only=cls_only)

@@ -57,19 +57,18 @@ def test_chunked_forwards_give_the_same_loss_and_gradients(name):
     params = {"student": init(student, 0), "proj": obj.init_projection(jax.random.PRNGKey(2))}
     teacher_params = init(teacher, 1)
 
-    def loss_and_grads(t_tokens, s_tokens):
+    def loss_and_grads(tokens):
         loss_fn = step_lib.make_loss_fn(student, teacher, obj, student_dropout=False,
-                                        teacher_chunk_tokens=t_tokens,
-                                        student_chunk_tokens=s_tokens)
+                                        chunk_tokens=tokens)
         (loss, terms), g = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
             params, teacher_params, batch, jax.random.PRNGKey(3))
         return float(loss), g
 
-    ref, g_ref = loss_and_grads(0, 0)
+    ref, g_ref = loss_and_grads(0)
     # 32 tokens: 2 rows a chunk, 4 chunks; 48: 3 rows fit, so 2 chunks of 4.
-    for t_tokens, s_tokens in [(32, 0), (0, 32), (32, 48)]:
-        loss, g = loss_and_grads(t_tokens, s_tokens)
-        assert loss == pytest.approx(ref, rel=1e-5), (t_tokens, s_tokens)
+    for tokens in (32, 48):
+        loss, g = loss_and_grads(tokens)
+        assert loss == pytest.approx(ref, rel=1e-5), tokens
         for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
@@ -104,15 +103,15 @@ def _mesh(n):
 
 
 @pytest.mark.parametrize("value,devices,backend,steps,buckets,expect", [
-    (-1, 1, "cpu", 500, 5, (1024, 1024)),    # 100 steps a bucket
-    (-1, 1, "cpu", 224, 5, (0, 0)),          # MRPC's 2-epoch intermediate stage: 45 a bucket
-    (-1, 1, "cpu", 100, 1, (1024, 1024)),
-    (-1, 8, "cpu", 5000, 1, (0, 0)),         # simulated devices: no chunks
-    (-1, 1, "gpu", 5000, 1, (0, 0)),
-    (-1, 1, "tpu", 5000, 1, (0, 0)),
-    (0, 1, "cpu", 5000, 1, (0, 0)),
-    (512, 1, "cpu", 10, 5, (512, 512)),
-    (2048, 1, "gpu", 10, 5, (2048, 2048)),
+    (-1, 1, "cpu", 500, 5, 1024),       # 100 steps a bucket
+    (-1, 1, "cpu", 224, 5, 0),          # MRPC's 2-epoch intermediate stage: 45 a bucket
+    (-1, 1, "cpu", 100, 1, 1024),
+    (-1, 8, "cpu", 5000, 1, 0),         # simulated devices: no chunks
+    (-1, 1, "gpu", 5000, 1, 0),
+    (-1, 1, "tpu", 5000, 1, 0),
+    (0, 1, "cpu", 5000, 1, 0),
+    (512, 1, "cpu", 10, 5, 512),
+    (2048, 1, "gpu", 10, 5, 2048),
 ])
 def test_chunk_tokens_auto(monkeypatch, value, devices, backend, steps, buckets, expect):
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
