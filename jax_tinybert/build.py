@@ -396,8 +396,8 @@ def chunk_tokens(config, mesh, total_steps: int, num_buckets: int) -> int:
 def _chunks_note(config, mesh, total_steps: int, num_buckets: int, teacher) -> str:
     """'; forwards in row chunks ...' for the train step's log line ('' when not chunked)."""
     n = chunk_tokens(config, mesh, total_steps, num_buckets)
-    return (f"; {'the teacher and ' if teacher else ''}the student forward in row chunks of "
-            f"<= {n} tokens (train.chunk_tokens)" if n else "")
+    who = "the teacher's and the student's forwards" if teacher else "the student's forward"
+    return f"; {who} in row chunks of <= {n} tokens (train.chunk_tokens)" if n else ""
 
 
 def splits_update(config, total_steps: int, num_buckets: int) -> bool:

@@ -118,3 +118,14 @@ def test_chunk_tokens_auto(monkeypatch, value, devices, backend, steps, buckets,
     config = config_base.base_config()
     config.train.chunk_tokens = value
     assert build.chunk_tokens(config, _mesh(devices), steps, buckets) == expect
+
+
+def test_the_log_line_says_what_is_chunked(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    config = config_base.base_config()
+    note = lambda steps, teacher: build._chunks_note(config, _mesh(1), steps, 2, teacher)
+    assert note(1000, object()) == ("; the teacher's and the student's forwards in row chunks of "
+                                    "<= 1024 tokens (train.chunk_tokens)")
+    assert note(1000, None) == "; the student's forward in row chunks of <= 1024 tokens " \
+                               "(train.chunk_tokens)"
+    assert note(199, object()) == ""   # 99 steps a bucket
