@@ -329,6 +329,7 @@ class Step:
     eval_step(student_params, batch) -> logits [B, C] (None when not asked for).
     abstract_state / abstract_teacher: ShapeDtypeStructs with shardings (for restore / lower).
     loss_fn(params, teacher_params, batch, rng) -> (loss, terms): what train_step differentiates.
+    chunk_tokens: the tokens per forward chunk loss_fn runs (`chunk_tokens`; 0: whole batches).
     """
     objective: objectives.Objective
     tx: optax.GradientTransformation
@@ -341,6 +342,7 @@ class Step:
     loss_fn: Callable
     train_step: Callable
     eval_step: Optional[Callable]
+    chunk_tokens: int = 0
 
     def init_state(self, student_params, seed: int) -> TrainState:
         """The step-0 TrainState on the mesh: student params, the objective's projection
@@ -376,7 +378,8 @@ SPLIT_ALWAYS_OBJECTIVES = {"cpu": ("tinybert_intermediate",)}
 # 1.06x and 1.13x faster). A short run loses: MRPC's one-epoch intermediate stage (23 steps a
 # bucket) took 109-111 s with both chunked against 100-101 s. benchmarks/RESULTS.md, "Forwards
 # in row chunks".
-CHUNK_TOKENS = {"cpu": 1024}
+# The same size as the teacher cache pass's forwards (session 19).
+CHUNK_TOKENS = {"cpu": teacher_cache.FORWARD_TOKENS}
 CHUNK_MIN_STEPS = 100
 
 
@@ -393,9 +396,8 @@ def chunk_tokens(config, mesh, total_steps: int, num_buckets: int) -> int:
         else 0
 
 
-def _chunks_note(config, mesh, total_steps: int, num_buckets: int, teacher) -> str:
-    """'; forwards in row chunks ...' for the train step's log line ('' when not chunked)."""
-    n = chunk_tokens(config, mesh, total_steps, num_buckets)
+def _chunks_note(n: int, teacher) -> str:
+    """'; ... in row chunks of <= n tokens' for the train step's log line ('' for n 0)."""
     who = "the teacher's and the student's forwards" if teacher else "the student's forward"
     return f"; {who} in row chunks of <= {n} tokens (train.chunk_tokens)" if n else ""
 
@@ -435,11 +437,11 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
         teacher_abs = jax.eval_shape(lambda p: p, teacher_params)
         teacher_sh = shd.state_shardings(teacher_abs, mesh, fsdp_min)
         abstract_teacher = _with_shardings(teacher_abs, teacher_sh)
+    chunks = chunk_tokens(config, mesh, total_steps, num_buckets)
     loss_fn = step_lib.make_loss_fn(student, teacher, objective,
                                     teacher_dropout=config.teacher.dropout,
                                     student_dropout=config.student.dropout,
-                                    chunk_tokens=chunk_tokens(config, mesh, total_steps,
-                                                              num_buckets))
+                                    chunk_tokens=chunks)
     accum = config.train.grad_accum
     pad = optim.resolve(optimizer_config(config))["pad_token_id"]
     if splits_update(config, total_steps, num_buckets):
@@ -457,7 +459,7 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
                                            state_sh.params["student"], mesh)
     return Step(objective, tx, schedule, mesh, state_sh, teacher_sh,
                 _with_shardings(abstract, state_sh), abstract_teacher, loss_fn, train_step,
-                eval_step)
+                eval_step, chunks)
 
 
 # --------------------------------------------------------------------------- one stage
@@ -614,6 +616,6 @@ def build_run(config, workdir: str) -> Run:
              "a gradient program per bucket and one update program"
              if isinstance(step.train_step, step_lib.SplitTrainStep) else "one program per bucket",
              config.train.split_update, total, len(data.train_batches.buckets),
-             _chunks_note(config, mesh, total, len(data.train_batches.buckets), teacher))
+             _chunks_note(step.chunk_tokens, teacher))
     return Run(config, mesh, data, models, obj, total, step, None,
                step.put_teacher(models.teacher_params), builder, spec)

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_tinybert import optim, sharding as shd
+from jax_tinybert.data import batching
 from jax_tinybert.objectives import CACHED_TOKEN_KEYS
 from jax_tinybert.train_state import TrainState
 
@@ -37,13 +38,12 @@ def _apply(model: nn.Module, params, batch, *, deterministic: bool, attention_lo
 
 
 def num_chunks(batch_size: int, seq_len: int, chunk_tokens: int) -> int:
-    """How many equal row chunks a forward of [batch_size, seq_len] runs in: the fewest whose
-    rows hold at most `chunk_tokens` tokens (one row at least; chunk_tokens 0: one chunk)."""
+    """How many equal row chunks a forward of [batch_size, seq_len] runs in: those of
+    `batching.chunk_rows` (halved while over `chunk_tokens` tokens, down to 8 rows; the rule of
+    the teacher cache's pass); 1 for chunk_tokens 0."""
     if chunk_tokens <= 0:
         return 1
-    rows = max(1, chunk_tokens // max(1, seq_len))
-    return next(n for n in range(1, batch_size + 1) if batch_size % n == 0
-                and batch_size // n <= rows)
+    return batch_size // batching.chunk_rows(batch_size, seq_len, chunk_tokens)
 
 
 def _apply_chunked(model: nn.Module, params, batch, chunk_tokens: int, *, deterministic: bool,

@@ -701,16 +701,11 @@ def lookup_spec(models, obj, batch: Mapping[str, Any],
 
 
 def rows_per_forward(seq_len: int, batch_size: int) -> int:
-    """Rows of a [batch_size, seq_len] batch that one cache-build forward takes on CPU: the
-    batch halved while it holds more than FORWARD_TOKENS tokens, down to 8 rows (a divisor of
-    batch_size, so every chunk of a bucket has one shape: one compiled program). The whole
-    batch on accelerators."""
-    b = int(batch_size)
+    """Rows of a [batch_size, seq_len] batch that one cache-build forward takes: on CPU
+    `batching.chunk_rows` of FORWARD_TOKENS tokens, the whole batch on accelerators."""
     if jax.default_backend() != "cpu":
-        return b
-    while b % 2 == 0 and b // 2 >= 8 and b * int(seq_len) > FORWARD_TOKENS:
-        b //= 2
-    return b
+        return int(batch_size)
+    return batching.chunk_rows(batch_size, seq_len, FORWARD_TOKENS)
 
 
 def packing_plan(lengths: np.ndarray, buckets: Sequence[int]

@@ -4,9 +4,9 @@ A run reports how fast it went in examples/s; what the hardware could have given
 rate. `program_flops(lowered)` is XLA's count for one call of a program (the unoptimised HLO:
 every dot 2 M N K, so the same count on every backend), and `Work` adds it up over the calls a
 phase makes, from any thread, analysing each program once. The teacher's cache pass and the
-compiled-ahead train and eval steps report theirs (`[teacher cache] ... (5.21 TFLOP, 137 GFLOP/s)`, `compiled ahead: ...`), and
-benchmarks/epoch.py turns them into each epoch's achieved rate and the speed-up that epoch could
-reach at the machine's best matmul rate.
+compiled-ahead train and eval steps report theirs (`[teacher cache] ... (5.21 TFLOP, 137
+GFLOP/s)`, `compiled ahead: ...`), and benchmarks/epoch.py turns them into each epoch's achieved
+rate and the speed-up that epoch could reach at the machine's best matmul rate.
 """
 from __future__ import annotations
 

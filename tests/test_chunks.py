@@ -11,18 +11,19 @@ from jax_tinybert import objectives as O
 from jax_tinybert import step as step_lib
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification
 
-B, T = 8, 16
+B, T = 32, 16
 
 
 @pytest.mark.parametrize("batch,seq,tokens,expect", [
-    (32, 128, 1024, 4),    # 8 rows of 128 = 1,024 tokens
+    (32, 128, 1024, 4),    # 32 -> 16 -> 8 rows of 128 = 1,024 tokens
     (32, 64, 1024, 2),
-    (32, 80, 1024, 4),     # 12 rows fit, 8 is the largest divisor of 32 that does
+    (32, 80, 1024, 4),     # 16 rows are 1,280 tokens: 8
+    (32, 48, 1024, 2),     # 16 rows are 768 tokens
     (32, 16, 1024, 1),     # the whole batch is 512 tokens
-    (30, 128, 1024, 5),    # 6 rows of 30
+    (30, 128, 1024, 2),    # 15 rows: an odd count is not halved
+    (64, 512, 1024, 8),    # 8 rows at least, though they hold 4,096 tokens
+    (16, 512, 1024, 2),
     (7, 128, 1024, 1),
-    (7, 512, 1024, 7),     # 2 rows fit; 7 is prime
-    (3, 5000, 1024, 3),    # one row even when it holds more
     (32, 128, 0, 1),       # 0: whole
 ])
 def test_num_chunks(batch, seq, tokens, expect):
@@ -37,7 +38,7 @@ def _cfg(layers, hidden):
 
 def _batch(seed=0):
     r = np.random.default_rng(seed)
-    lengths = np.array([16, 3, 9, 16, 5, 12, 7, 14])
+    lengths = np.tile([16, 3, 9, 16, 5, 12, 7, 14], B // 8)
     mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
     return {"input_ids": jnp.asarray(r.integers(1, 40, (B, T)) * mask, jnp.int32),
             "attention_mask": jnp.asarray(mask),
@@ -65,37 +66,52 @@ def test_chunked_forwards_give_the_same_loss_and_gradients(name):
         return float(loss), g
 
     ref, g_ref = loss_and_grads(0)
-    # 32 tokens: 2 rows a chunk, 4 chunks; 48: 3 rows fit, so 2 chunks of 4.
-    for tokens in (32, 48):
+    # 128 tokens: 8 rows a chunk, 4 chunks; 300: 16 rows (256 tokens), 2 chunks.
+    for tokens in (128, 300):
         loss, g = loss_and_grads(tokens)
         assert loss == pytest.approx(ref, rel=1e-5), tokens
         for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+def test_chunked_forward_gives_each_row_its_own_outputs():
+    # The losses are means over the batch, blind to an order the two models share: compare rows.
+    model = BertForSequenceClassification(_cfg(2, 8))
+    batch = _batch(1)
+    params = model.init(jax.random.PRNGKey(0), batch["input_ids"],
+                        attention_logits=False)["params"]
+    kw = dict(deterministic=True, rng=None, attention_logits=(1, 2))
+    whole = step_lib._apply(model, params, batch, **kw)
+    for tokens in (128, 256):   # 4 and 2 chunks
+        out = step_lib._apply_chunked(model, params, batch, tokens, **kw)
+        for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(whole)):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_chunks_with_dropout_draw_masks_of_their_own():
-    # Four equal rows, one a chunk: with the whole batch's key reused in every chunk, all four
-    # would come out equal.
+    # 32 equal rows in 4 chunks of 8: with the whole batch's key reused in every chunk, row i
+    # would come out as rows i + 8, i + 16 and i + 24 do.
     cfg = _cfg(2, 8).replace(hidden_dropout_prob=0.5, attention_probs_dropout_prob=0.5)
     model = BertForSequenceClassification(cfg)
     row = _batch()
-    batch = {k: jnp.repeat(row[k][:1], 4, axis=0) for k in step_lib.MODEL_KEYS}
+    batch = {k: jnp.repeat(row[k][:1], B, axis=0) for k in step_lib.MODEL_KEYS}
     params = model.init(jax.random.PRNGKey(0), batch["input_ids"],
                         attention_logits=False)["params"]
-    out = step_lib._apply_chunked(model, params, batch, T, deterministic=False,
+    assert step_lib.num_chunks(B, T, 8 * T) == 4
+    out = step_lib._apply_chunked(model, params, batch, 8 * T, deterministic=False,
                                   rng=jax.random.PRNGKey(5), attention_logits=False)
-    h = np.asarray(out.hidden_states[-1])
-    assert h.shape == (4, T, 8)
+    h = np.asarray(out.hidden_states[-1]).reshape(4, 8, T, 8)
     assert all(not np.allclose(h[i], h[j]) for i in range(4) for j in range(i + 1, 4))
     # Without dropout, the rows are equal, and equal to the whole batch's forward.
-    det = step_lib._apply_chunked(model, params, batch, T, deterministic=True, rng=None,
+    det = step_lib._apply_chunked(model, params, batch, 8 * T, deterministic=True, rng=None,
                                   attention_logits=False)
     whole = step_lib._apply(model, params, batch, deterministic=True, rng=None,
                             attention_logits=False)
     np.testing.assert_allclose(np.asarray(det.logits), np.asarray(whole.logits), rtol=1e-5,
                                atol=1e-6)
-    np.testing.assert_allclose(np.asarray(det.logits)[1:], np.asarray(det.logits)[:1].repeat(3, 0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(det.logits)[1:],
+                               np.asarray(det.logits)[:1].repeat(B - 1, 0), rtol=1e-5, atol=1e-6)
 
 
 def _mesh(n):
@@ -106,6 +122,7 @@ def _mesh(n):
     (-1, 1, "cpu", 500, 5, 1024),       # 100 steps a bucket
     (-1, 1, "cpu", 224, 5, 0),          # MRPC's 2-epoch intermediate stage: 45 a bucket
     (-1, 1, "cpu", 100, 1, 1024),
+    (-1, 1, "cpu", 199, 2, 0),             # 99 steps a bucket
     (-1, 8, "cpu", 5000, 1, 0),         # simulated devices: no chunks
     (-1, 1, "gpu", 5000, 1, 0),
     (-1, 1, "tpu", 5000, 1, 0),
@@ -120,12 +137,30 @@ def test_chunk_tokens_auto(monkeypatch, value, devices, backend, steps, buckets,
     assert build.chunk_tokens(config, _mesh(devices), steps, buckets) == expect
 
 
-def test_the_log_line_says_what_is_chunked(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    config = config_base.base_config()
-    note = lambda steps, teacher: build._chunks_note(config, _mesh(1), steps, 2, teacher)
-    assert note(1000, object()) == ("; the teacher's and the student's forwards in row chunks of "
-                                    "<= 1024 tokens (train.chunk_tokens)")
-    assert note(1000, None) == "; the student's forward in row chunks of <= 1024 tokens " \
-                               "(train.chunk_tokens)"
-    assert note(199, object()) == ""   # 99 steps a bucket
+def test_the_log_line_says_what_is_chunked():
+    assert build._chunks_note(1024, object()) == (
+        "; the teacher's and the student's forwards in row chunks of <= 1024 tokens "
+        "(train.chunk_tokens)")
+    assert build._chunks_note(512, None) == "; the student's forward in row chunks of <= 512 " \
+                                            "tokens (train.chunk_tokens)"
+    assert build._chunks_note(0, object()) == ""
+
+
+@pytest.mark.parametrize("steps,expect", [(1000, 1024), (20, 0)])
+def test_build_step_reports_the_chunks_its_loss_runs(steps, expect):
+    from jax_tinybert import plan
+    from jax_tinybert.modeling import init_params
+
+    if jax.default_backend() != "cpu" or jax.device_count() != 1:
+        pytest.skip("the auto rule chunks on one CPU device only")
+    tcfg, scfg = _cfg(4, 12), _cfg(2, 8)
+    config = plan.plan_config(objective="tinybert_intermediate")
+    obj = build.build_objective(config, scfg, tcfg)
+    teacher = build.teacher_module(config, tcfg, classifier=True)
+    built = build.build_step(config, student=build.student_module(config, scfg),
+                             teacher=teacher, objective=obj,
+                             student_params=init_params(BertForSequenceClassification(scfg),
+                                                        jax.random.PRNGKey(1)),
+                             teacher_params=init_params(teacher, jax.random.PRNGKey(0)),
+                             mesh=build.make_mesh(config), total_steps=steps)
+    assert built.chunk_tokens == expect

@@ -52,6 +52,17 @@ def padding_waste(lengths: np.ndarray, buckets: Sequence[int] = DEFAULT_BUCKETS,
             "ratio": float(padded / (fixed_len * len(lengths)))}
 
 
+def chunk_rows(batch_size: int, seq_len: int, max_tokens: int, min_rows: int = 8) -> int:
+    """Rows per chunk of a forward over a [batch_size, seq_len] batch: the batch halved while it
+    holds more than `max_tokens` tokens, down to `min_rows` rows. Always a divisor of
+    batch_size, so every chunk has one shape (one compiled program). On CPU a forward of about
+    1,024 tokens runs fastest: its [rows, H, T, T] attention tensors stay in cache."""
+    b = int(batch_size)
+    while b % 2 == 0 and b // 2 >= min_rows and b * int(seq_len) > max_tokens:
+        b //= 2
+    return b
+
+
 def row_cost(row_len, attention_len: int = 256):
     """Relative compute of a row of `row_len` tokens (a number or an array of them):
     T + T^2 / attention_len (see `bucket_cost`)."""
