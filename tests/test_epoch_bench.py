@@ -147,3 +147,69 @@ def test_two_epoch_run_shares_its_steps_work_between_the_epochs():
     first, later = epoch.split_epochs(r)
     assert first["work"] == {"teacher_pass": 5e12, "steps": 4e12, "complete": True}
     assert later["work"] == {"teacher_pass": 0.0, "steps": 4e12, "complete": True}
+
+
+def test_epochs_compare_with_the_official_step_timed_on_their_two_sides():
+    """With the official step also timed between our processes (--paired_steps), each epoch's
+    reference is the mean of the timings just before and just after its process, not of the
+    run's first and last: a host that drifts 30% in 20 minutes misstates a ratio otherwise."""
+    res = _result()
+    t = res["tasks"]["sst2"]   # start 0.8 / 0.9, end 1.0 / 1.1 (prediction / intermediate)
+    t["order"] = ["finetune", "intermediate", "pred", "pred_standalone"]
+    t["official_paired"] = [{"before": "intermediate", "prediction": 2.0, "intermediate": 3.0},
+                            {"before": "pred", "prediction": 4.0, "intermediate": 5.0},
+                            {"before": "pred_standalone", "prediction": 6.0, "intermediate": 7.0}]
+    rows = {(r["what"], r["ref_detail"].split(":")[0]): r for r in epoch.summarise(res)}
+    inter = rows[("epoch: intermediate, 1st epoch", "official")]
+    assert inter["ref_s"] == pytest.approx(100 * (3.0 + 5.0) / 2)   # before / after its process
+    assert "timed 3.000 s before and 5.000 s after it" in inter["ref_detail"]
+    later = rows[("epoch: intermediate, later epoch", "official")]   # the same process
+    assert later["ref_s"] == pytest.approx(400.0) and later["ratio"] == pytest.approx(40.0)
+    assert rows[("epoch: prediction (after the intermediate stage)", "official")]["ref_s"] == \
+        pytest.approx(100 * (4.0 + 6.0) / 2)
+    alone = rows[("epoch: prediction, standalone", "official")]   # the last: the end's timing
+    assert alone["ref_s"] == pytest.approx(100 * (6.0 + 1.0) / 2)
+    # The fine-tuning reference (PyTorch) and the per-step rows keep the start / end means.
+    assert rows[("epoch: teacher fine-tuning", "plain PyTorch loop")]["ratio"] == \
+        pytest.approx(2.0)
+    assert rows[("step pred, T=64", "official")]["ratio"] == pytest.approx(0.9 / 0.5)
+    table = epoch.render(res)
+    assert ("sst2: the official step over the run (start, before intermediate, before pred, "
+            "before pred_standalone, end): prediction 0.800 / 2.000 / 4.000 / 6.000 / 1.000 s, "
+            "intermediate 0.900 / 3.000 / 5.000 / 7.000 / 1.100 s") in table
+    # Timings that do not fit the processes (an interrupted run) fall back to the mean of all.
+    t["official_paired"] = t["official_paired"][:1]
+    rows = {(r["what"], r["ref_detail"].split(":")[0]): r for r in epoch.summarise(res)}
+    assert rows[("epoch: prediction (after the intermediate stage)", "official")]["ref_s"] == \
+        pytest.approx(90.0)
+
+
+def test_the_official_step_is_timed_before_every_process_but_the_first(tmp_path, monkeypatch):
+    """main(): the official step between our processes, tagged with the process that follows;
+    our processes in the order run (fake runs: no CLI, no official code)."""
+    calls = []
+
+    def fake_official(args, seq, steps=None, warmup=None):
+        calls.append(steps)
+        return {"prediction": 1.0 + len(calls), "intermediate": 2.0 + len(calls)}
+
+    def fake_ours(args, task, root, before):
+        for name in ("finetune", "intermediate", "pred", "pred_standalone"):
+            before(name)
+        return {}
+
+    official = tmp_path / "TinyBERT"
+    (official / "transformer").mkdir(parents=True)
+    monkeypatch.setattr(epoch, "official_steps", fake_official)
+    monkeypatch.setattr(epoch, "prepare_official", lambda args: None)
+    monkeypatch.setattr(epoch, "run_ours", fake_ours)
+    monkeypatch.setattr(epoch, "render", lambda res: "")
+    out = tmp_path / "r.json"
+    epoch.main(["--tasks", "mrpc", "--official_dir", str(official), "--no_step_bench",
+                "--scratch", str(tmp_path / "s"), "--json", str(out), "--paired_steps", "3"])
+    import json
+    t = json.loads(out.read_text())["tasks"]["mrpc"]
+    assert t["order"] == ["finetune", "intermediate", "pred", "pred_standalone"]
+    assert [p["before"] for p in t["official_paired"]] == ["intermediate", "pred",
+                                                          "pred_standalone"]
+    assert calls == [None, 3, 3, 3, None] and len(t["official"]) == 2
