@@ -397,28 +397,26 @@ def summarise(res: dict) -> List[dict]:
                 steps.setdefault(r["stage"], []).append(r)
         torch_ft = _mean([r.get("torch_s_per_step") for r in steps.get("finetune", [])])
         ours = t["ours"]
-        epoch_refs = (("finetune", "teacher fine-tuning", torch_ft, "plain PyTorch loop"),
-                      ("intermediate", "intermediate, 1st epoch", off["intermediate"], "official"),
-                      ("intermediate_later", "intermediate, later epoch", off["intermediate"],
-                       "official"),
-                      ("pred", "prediction (after the intermediate stage)", off["prediction"],
-                       "official"),
-                      ("pred_standalone", "prediction, standalone", off["prediction"],
-                       "official"))
+        # (row, label, our process, the official step it compares with; None: PyTorch's)
+        epoch_refs = (("finetune", "teacher fine-tuning", "finetune", None),
+                      ("intermediate", "intermediate, 1st epoch", "intermediate", "intermediate"),
+                      ("intermediate_later", "intermediate, later epoch", "intermediate",
+                       "intermediate"),
+                      ("pred", "prediction (after the intermediate stage)", "pred", "prediction"),
+                      ("pred_standalone", "prediction, standalone", "pred_standalone",
+                       "prediction"))
         peak = max((max(d["matmul_peak"]["jax_flop_s"], d["matmul_peak"].get("torch_flop_s", 0))
                     for d in t["step_bench"]), default=None)
-        for key, label, ref_step, ref_name in epoch_refs:
+        for key, label, proc, o_key in epoch_refs:
+            ref_name, ref_step = ("plain PyTorch loop", torch_ft) if o_key is None \
+                else ("official", off[o_key])
+            sides = ""
+            if o_key and proc in around:   # the official step timed just before and after it
+                a, b = around[proc][0][o_key], around[proc][1][o_key]
+                ref_step, sides = (a + b) / 2, f", timed {a:.3f} s before and {b:.3f} s after it"
             if key not in ours or ref_step is None:
                 continue
-            ref_detail = f"{ref_name}: {n_off} x {ref_step:.3f} s"
-            proc = "intermediate" if key == "intermediate_later" else key
-            if ref_name == "official" and proc in around:
-                # The official step timed just before and just after this process.
-                o_key = "prediction" if proc.startswith("pred") else "intermediate"
-                a, b = around[proc][0][o_key], around[proc][1][o_key]
-                ref_step = (a + b) / 2
-                ref_detail = (f"{ref_name}: {n_off} x {ref_step:.3f} s, timed {a:.3f} s before "
-                              f"and {b:.3f} s after it")
+            ref_detail = f"{ref_name}: {n_off} x {ref_step:.3f} s{sides}"
             ref = ref_step * n_off
             r = ours[key]
             row = {"task": task, "what": f"epoch: {label}", "ours_s": r["wall_s"],
@@ -459,15 +457,21 @@ def summarise(res: dict) -> List[dict]:
     return rows
 
 
+def official_over_run(t: dict) -> List[dict]:
+    """A task's official timings in the order taken: the start's, those between our processes
+    (`t["official_paired"]`, each {"before": process, "prediction": s, "intermediate": s}), the
+    end's; [] for runs without timings between processes."""
+    offs, paired = t.get("official", []), t.get("official_paired") or []
+    return [offs[0]] + paired + [offs[-1]] if paired and len(offs) >= 2 else []
+
+
 def official_around(t: dict) -> Dict[str, tuple]:
-    """{process: (official timing just before it, just after it)} of a task's run whose official
-    step was also timed between our processes (`t["official_paired"]`, each {"before": process,
-    "prediction": s, "intermediate": s}, in the order run; `t["order"]`: our processes in
-    order); {} for runs without them."""
-    paired, order = t.get("official_paired") or [], t.get("order") or []
-    if not paired or len(t.get("official", [])) < 2 or len(paired) != len(order) - 1:
+    """{process: (official timing just before it, just after it)} (`t["order"]`: our processes
+    in the order run); {} without timings between them, or when they do not fit the processes
+    (an interrupted run)."""
+    seq, order = official_over_run(t), t.get("order") or []
+    if len(seq) != len(order) + 1:
         return {}
-    seq = [t["official"][0]] + paired + [t["official"][-1]]
     return {p: (seq[i], seq[i + 1]) for i, p in enumerate(order)}
 
 
@@ -487,11 +491,10 @@ def render(res: dict) -> str:
                          f"2048^3: XLA " + " / ".join(f"{m['jax_flop_s'] / 1e9:.0f}" for m in mm)
                          + ", torch " + " / ".join(f"{m.get('torch_flop_s', 0) / 1e9:.0f}"
                                                    for m in mm) + " GFLOP/s")
-        offs = t.get("official", [])
-        if t.get("official_paired") and len(offs) >= 2:
-            seq = [offs[0]] + t["official_paired"] + [offs[-1]]
+        seq = official_over_run(t)
+        if seq:
             lines.append(f"{task}: the official step over the run (start, before "
-                         + ", before ".join(p["before"] for p in t["official_paired"])
+                         + ", before ".join(p["before"] for p in seq[1:-1])
                          + ", end): prediction "
                          + " / ".join(f"{o['prediction']:.3f}" for o in seq)
                          + " s, intermediate " + " / ".join(f"{o['intermediate']:.3f}"

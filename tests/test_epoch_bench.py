@@ -185,24 +185,26 @@ def test_epochs_compare_with_the_official_step_timed_on_their_two_sides():
 
 
 def test_the_official_step_is_timed_before_every_process_but_the_first(tmp_path, monkeypatch):
-    """main(): the official step between our processes, tagged with the process that follows;
-    our processes in the order run (fake runs: no CLI, no official code)."""
-    calls = []
+    """main() and run_ours(): the official step between our processes, tagged with the process
+    that follows; our processes in the order run (no CLI, no official code: both faked)."""
+    calls, ran = [], []
 
     def fake_official(args, seq, steps=None, warmup=None):
-        calls.append(steps)
+        calls.append((steps, list(ran)))
         return {"prediction": 1.0 + len(calls), "intermediate": 2.0 + len(calls)}
 
-    def fake_ours(args, task, root, before):
-        for name in ("finetune", "intermediate", "pred", "pred_standalone"):
-            before(name)
-        return {}
+    def fake_cli(config, workdir, overrides, log_path, env=None):
+        ran.append(config.split(":")[-1] + ("+" if env else ""))
+        steps = 224 if "intermediate" in config else 113
+        return {"wall_s": 100.0, "cpu_s": 190.0, "steps": steps, "marks": {},
+                "step_marks": [(1, 5.0), (steps, 95.0)], "load_before": 2.0,
+                "load_after": 2.0}
 
     official = tmp_path / "TinyBERT"
     (official / "transformer").mkdir(parents=True)
     monkeypatch.setattr(epoch, "official_steps", fake_official)
     monkeypatch.setattr(epoch, "prepare_official", lambda args: None)
-    monkeypatch.setattr(epoch, "run_ours", fake_ours)
+    monkeypatch.setattr(epoch, "run_cli", fake_cli)
     monkeypatch.setattr(epoch, "render", lambda res: "")
     out = tmp_path / "r.json"
     epoch.main(["--tasks", "mrpc", "--official_dir", str(official), "--no_step_bench",
@@ -212,4 +214,7 @@ def test_the_official_step_is_timed_before_every_process_but_the_first(tmp_path,
     assert t["order"] == ["finetune", "intermediate", "pred", "pred_standalone"]
     assert [p["before"] for p in t["official_paired"]] == ["intermediate", "pred",
                                                           "pred_standalone"]
-    assert calls == [None, 3, 3, 3, None] and len(t["official"]) == 2
+    assert calls == [(None, []), (3, ["mrpc"]), (3, ["mrpc", "mrpc_intermediate"]),
+                     (3, ["mrpc", "mrpc_intermediate", "mrpc_pred"]),
+                     (None, ["mrpc", "mrpc_intermediate", "mrpc_pred", "mrpc_pred+"])]
+    assert len(t["official"]) == 2
