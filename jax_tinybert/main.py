@@ -19,7 +19,23 @@ jax_tinybert/xla_flags.py): JTB_GPU_AUTOTUNE=1 keeps XLA's defaults.
 import os
 import sys
 
-from jax_tinybert import fs, malloc, xla_flags
+
+def _not_installed(e: ModuleNotFoundError) -> None:
+    """A dependency missing from this interpreter (a shell without the project's .venv): one line
+    naming the fix, exit 2; a module of this package missing is a bug and is raised."""
+    if (e.name or "").split(".")[0] in ("", "jax_tinybert"):
+        raise e
+    sys.stderr.write(f"error: the Python package {e.name!r} is not installed for "
+                     f"{sys.executable}; run the command in the project's environment: `make "
+                     "install` creates .venv, then `. .venv/bin/activate` (or call "
+                     ".venv/bin/python -m jax_tinybert.main ...)\n")
+    sys.exit(2)
+
+
+try:
+    from jax_tinybert import fs, malloc, xla_flags
+except ModuleNotFoundError as _e:
+    _not_installed(_e)
 
 if __name__ == "__main__":
     malloc.restart_command()   # before JAX is imported (jax_tinybert/cli.py: the same)
@@ -61,13 +77,16 @@ import logging  # noqa: E402
 import signal  # noqa: E402
 import traceback  # noqa: E402
 
-import jax  # noqa: E402
-import ml_collections  # noqa: E402
-from absl import app, flags, logging as absl_logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+try:
+    import jax  # noqa: E402
+    import ml_collections  # noqa: E402
+    from absl import app, flags, logging as absl_logging  # noqa: E402
+    from ml_collections import config_flags  # noqa: E402
 
-from jax_tinybert import (build, cli_diagnose, cli_help, config_check, mlm_head,  # noqa: E402
-                          pipeline, preemption, sharding, train)
+    from jax_tinybert import (build, cli_diagnose, cli_help, config_check,  # noqa: E402
+                              mlm_head, pipeline, preemption, sharding, train)
+except ModuleNotFoundError as _e:
+    _not_installed(_e)
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, is_disk_full, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS

@@ -487,3 +487,21 @@ def test_a_diverging_run_stops_in_one_line_and_saves_no_nan(cli):
     leaves = jax.tree_util.tree_leaves(tiny_run.restore_state(d / "runs" / "nan", steps[-1]))
     floats = [np.asarray(x) for x in leaves if np.issubdtype(np.asarray(x).dtype, np.floating)]
     assert floats and all(np.isfinite(x).all() for x in floats)
+
+
+def test_a_python_without_the_dependencies_gets_one_line_naming_the_venv(tmp_path):
+    """The README's `python -m jax_tinybert.main` in a shell whose python is not the project's
+    .venv: one line naming the missing package and the fix, exit 2, no traceback."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True,
+                   timeout=120)
+    r = subprocess.run([str(bare / "bin" / "python"), "-m", "jax_tinybert.main",
+                        "--config=configs/finetune_teacher.py:sst2", "--workdir=runs/x"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("error: the Python package ") and "is not installed" in lines[0]
+    assert "make install" in lines[0] and ". .venv/bin/activate" in lines[0]
+    assert not (pathlib.Path(REPO) / "runs" / "x").exists()

@@ -284,3 +284,13 @@ def test_readme_command_line(clone, index, tmp_path, teacher_dir):
         aug = repo / _flag(argv, "out")
         assert aug.is_file() and len(aug.read_text().splitlines()) > 4, aug
 
+
+
+def test_the_recipe_runs_in_the_environment_make_creates():
+    """The recipe says `python -m ...`: a new shell's python lacks the dependencies (the CLI then
+    says so in one line, tests/test_cli.py), so the block first activates the .venv that the
+    Makefile creates; the tests above run the recipe with that venv's python."""
+    block = fenced_blocks(README.read_text(), "The command line")[0]
+    first = parse_commands(block, {})[0]
+    assert first[0] in (".", "source") and first[1] == ".venv/bin/activate", first
+    assert re.search(r"^VENV := \.venv$", (REPO / "Makefile").read_text(), re.M)
