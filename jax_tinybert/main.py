@@ -20,22 +20,24 @@ import os
 import sys
 
 
-def _not_installed(e: ModuleNotFoundError) -> None:
+def _check_installed(names=("etils", "jax", "flax", "optax", "orbax", "ml_collections",
+                            "absl", "numpy")) -> None:
     """A dependency missing from this interpreter (a shell without the project's .venv): one line
-    naming the fix, exit 2; a module of this package missing is a bug and is raised."""
-    if (e.name or "").split(".")[0] in ("", "jax_tinybert"):
-        raise e
-    sys.stderr.write(f"error: the Python package {e.name!r} is not installed for "
-                     f"{sys.executable}; run the command in the project's environment: `make "
-                     "install` creates .venv, then `. .venv/bin/activate` (or call "
-                     ".venv/bin/python -m jax_tinybert.main ...)\n")
-    sys.exit(2)
+    naming it and the fix, exit 2. find_spec imports nothing: JAX must load after the restart."""
+    import importlib.util
+
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        sys.stderr.write(f"error: the Python package {missing[0]!r} is not installed for "
+                         f"{sys.executable}; run the command in the project's environment: "
+                         "`make install` creates .venv, then `. .venv/bin/activate` (or call "
+                         ".venv/bin/python -m jax_tinybert.main ...)\n")
+        sys.exit(2)
 
 
-try:
-    from jax_tinybert import fs, malloc, xla_flags
-except ModuleNotFoundError as _e:
-    _not_installed(_e)
+_check_installed()
+
+from jax_tinybert import fs, malloc, xla_flags  # noqa: E402
 
 if __name__ == "__main__":
     malloc.restart_command()   # before JAX is imported (jax_tinybert/cli.py: the same)
@@ -77,16 +79,13 @@ import logging  # noqa: E402
 import signal  # noqa: E402
 import traceback  # noqa: E402
 
-try:
-    import jax  # noqa: E402
-    import ml_collections  # noqa: E402
-    from absl import app, flags, logging as absl_logging  # noqa: E402
-    from ml_collections import config_flags  # noqa: E402
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+from absl import app, flags, logging as absl_logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
-    from jax_tinybert import (build, cli_diagnose, cli_help, config_check,  # noqa: E402
-                              mlm_head, pipeline, preemption, sharding, train)
-except ModuleNotFoundError as _e:
-    _not_installed(_e)
+from jax_tinybert import (build, cli_diagnose, cli_help, config_check, mlm_head,  # noqa: E402
+                          pipeline, preemption, sharding, train)
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, is_disk_full, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS
