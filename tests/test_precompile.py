@@ -235,7 +235,7 @@ def _tiny_classifier_teacher(out_dir) -> str:
         vocab = _json.load(fh)["vocab_size"]
     cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64, num_labels=2)
-    params = jax.device_get(random_params(BertForSequenceClassification(cfg), 0))
+    params = random_params(BertForSequenceClassification(cfg), 0)
     return export_hf(cfg, params, str(out_dir), tokenizer_dir=tok)
 
 

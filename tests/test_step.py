@@ -56,8 +56,6 @@ def test_masked_mode_accumulation_is_per_micro_batch_mean(masked):
 def _built(split: bool, grad_accum: int = 1, objective="tinybert_intermediate"):
     """A tiny teacher -> student step built as training builds it (AdamW with its global-norm
     clipping and warm-up schedule, dropout on), fused or split."""
-    import jax
-
     from jax_tinybert import build, plan
     from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params
 

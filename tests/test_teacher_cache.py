@@ -33,7 +33,7 @@ def small():
     cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, num_labels=3)
     model = BertForSequenceClassification(cfg)
-    params = jax.tree_util.tree_map(np.asarray, random_params(model, 0))
+    params = random_params(model, 0)   # NumPy arrays
     rng = np.random.default_rng(0)
     lens = rng.integers(3, 30, size=37)
     ids = rng.integers(1, 100, size=int(lens.sum())).astype(np.int32)

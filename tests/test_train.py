@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import run_files
-from jax_tinybert import build, config_base, train
+from jax_tinybert import build, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,9 +80,8 @@ def test_vocab_mismatch(tmp_path, teacher_dir):
     cfg = json.loads((d / "config.json").read_text())
     cfg["vocab_size"] = 1000
     (d / "config.json").write_text(json.dumps(cfg))
-    from jax_tinybert.modeling import BertConfig, BertModel, random_params
-    import jax
     from jax_tinybert.export import export_hf
+    from jax_tinybert.modeling import BertConfig, BertModel, random_params
 
     small = BertConfig.from_dict(cfg)
     params = random_params(BertModel(small), 0)

@@ -34,8 +34,8 @@ for name, spec in (("dp", {"data": -1}), ("fsdp", {"data": 1, "fsdp": -1})):
     obj = build.build_objective(config, scfg, tcfg)
     student = build.student_module(config, scfg)
     teacher = build.teacher_module(config, tcfg, classifier=False)
-    sparams = jax.device_get(random_params(student, 1))
-    tparams = jax.device_get(random_params(teacher, 0))
+    sparams = random_params(student, 1)
+    tparams = random_params(teacher, 0)
     built = build.build_step(config, student=student, teacher=teacher, objective=obj,
                              student_params=sparams, teacher_params=tparams, mesh=mesh,
                              total_steps=10000)

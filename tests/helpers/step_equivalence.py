@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jax_tinybert import objectives, optim  # noqa: E402
+from jax_tinybert import objectives  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
 from jax_tinybert import step as step_lib  # noqa: E402
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params  # noqa: E402

