@@ -4,17 +4,20 @@ a small student (intermediate layers, then the prediction layer from the teacher
 Its own file: the suite's longest fixture, so that `--dist loadfile` can run it beside the rest of
 tests/test_train.py (it is first in tests/conftest.py's LONGEST_FIRST).
 """
-import logging
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from helpers import run_files
-from jax_tinybert import fs, train
+from helpers import run_files, tiny_run
+from jax_tinybert import fs
 
-
-_cfg, _records = run_files.config, run_files.records
+HELPER = pathlib.Path(__file__).resolve().parent / "helpers" / "sst2_run.py"
+_records = run_files.records
 
 
 # --------------------------------------------------------------------------- real SST-2 run
@@ -22,65 +25,16 @@ _cfg, _records = run_files.config, run_files.records
 @pytest.fixture(scope="module")
 def sst2_runs(tmp_path_factory, glue_dir):
     """Fine-tune the MiniLM teacher on an SST-2 subset, then task-distil a small random student
-    (intermediate layers, then prediction layer from the cached teacher)."""
+    (intermediate layers, then prediction layer from the cached teacher): helpers/sst2_run.py,
+    in its own process with the caller's XLA_FLAGS (a user's compiled steps)."""
     root = tmp_path_factory.mktemp("sst2")
-    # The teacher's buckets (16, 32, 64) pad its 8,000 examples to 22.4 tokens per example
-    # against 33.9 with (32, 64): a third less work for one more compilation per step function.
-    # The student's steps are cheap (2 layers, teacher cached) and compiling is most of its
-    # stages: two buckets, one fewer compilation each of the teacher's forward, the gradient
-    # and the eval step.
-    common = dict(glue_dir=str(glue_dir), max_len=64)
-    small = dict(common, train_subset=2000, buckets=(32, 64))
-
-    t = _cfg("finetune_teacher.py", "sst2")
-    t.data.update(common, train_subset=8000, buckets=(16, 32, 64))
-    t.train.update(num_steps=120, eval_every=120, log_every=20, checkpoint_every=1000)
-    t.optim.learning_rate = 1e-4
-    teacher = train.train_and_evaluate(t, str(root / "teacher"))
-
-    student = dict(init="random", num_hidden_layers=2, hidden_size=192, intermediate_size=768,
-                   num_attention_heads=12)
-    # 150 steps of 32 are 2.4 epochs of the 2,000 examples: the teacher's hidden states and
-    # attention scores are cached (train.py's auto rule, the recipe's 10-20 epochs), and the
-    # cache build publishes the teacher's logits to the teacher store (tests/conftest.py: the
-    # session's own) for the prediction stage.
-    i = _cfg("task_distill.py", "sst2_intermediate")
-    i.data.update(small)
-    i.teacher.path = str(root / "teacher" / "export")
-    i.student.update(student)
-    i.optim.learning_rate = 3e-4
-    i.train.update(num_steps=150, log_every=10, checkpoint_every=1000)
-    inter = train.train_and_evaluate(i, str(root / "inter"))
-
-    p = _cfg("task_distill.py", "sst2_pred")
-    p.data.update(small)
-    p.teacher.path = str(root / "teacher" / "export")
-    p.student.path = str(root / "inter" / "export")
-    p.optim.learning_rate = 3e-4
-    p.train.update(num_steps=200, eval_every=100, log_every=10, checkpoint_every=1000)
-    said = _Lines()
-    log = logging.getLogger("jax_tinybert.teacher_cache")
-    level = log.level
-    log.addHandler(said)
-    log.setLevel(logging.INFO)
-    try:
-        pred = train.train_and_evaluate(p, str(root / "pred"))
-    finally:
-        log.removeHandler(said)
-        log.setLevel(level)
-    pred["cache_log"] = said.lines
-    return root, teacher, inter, pred
-
-
-class _Lines(logging.Handler):
-    """Keeps the messages logged (INFO and up) while it is attached."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
+    p = subprocess.run([sys.executable, str(HELPER), str(root), str(glue_dir)],
+                       env=tiny_run.user_env(), capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    runs = [json.loads((root / stage / "summary.json").read_text())
+            for stage in ("teacher", "inter", "pred")]
+    runs[2]["cache_log"] = json.loads((root / "pred_cache_log.json").read_text())
+    return (root, *runs)
 
 
 def test_teacher_finetune_reaches_80_percent(sst2_runs):

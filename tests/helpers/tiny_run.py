@@ -73,6 +73,21 @@ def env(**extra):
     return e
 
 
+def user_env(**extra):
+    """os.environ with the XLA_FLAGS the caller of pytest had (tests/conftest.py gives the test
+    processes XLA's cheapest backend optimisation): for runs whose speed or trained accuracy is
+    checked, which must compile as a user's run does."""
+    e = dict(os.environ)
+    user = os.environ.get("JTB_TEST_USER_XLA_FLAGS", e.get("XLA_FLAGS", ""))
+    e.pop("JTB_TEST_USER_XLA_FLAGS", None)
+    if user:
+        e["XLA_FLAGS"] = user
+    else:
+        e.pop("XLA_FLAGS", None)
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
 def read_metrics(workdir):
     """{step: loss} of the train records in workdir/metrics.jsonl (last write of a step wins)."""
     out = {}
