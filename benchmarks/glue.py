@@ -6,7 +6,8 @@ Per task (SST-2, MRPC, STS-B by default), each stage an ordinary `train_and_eval
 its own sub-workdir (finished stages are skipped on rerun: their summary.json exists):
 
     <workdir>/general                    general distillation of the student (shared by the tasks)
-    <workdir>/<task>/teacher             fine-tune the packaged MiniLM-L6 teacher (configs/finetune_teacher.py)
+    <workdir>/<task>/teacher             fine-tune the teacher (configs/finetune_teacher.py; --teacher,
+                                         default the packaged MiniLM-L6)
     <workdir>/<task>/inter, pred         TinyBERT task distillation without augmentation
     <workdir>/<task>/inter_da, pred_da   the same on augmented data (needs --mlm, see below)
     <workdir>/<task>/kd                  plain KD (objective kd) from the general student
@@ -15,6 +16,9 @@ its own sub-workdir (finished stages are skipped on rerun: their summary.json ex
 The student is the "small" shape of configs/general_distill.py (3 layers, d 384, d_ff 1536,
 12 heads): PKD initialises the student from 3 of the teacher's 6 layers, so this is the shape
 on which all three methods compare, and 3 divides the teacher's 6 layers (uniform map).
+`--teacher bert-base-uncased --student tinybert4` (online) is the paper's pairing; `--teacher DIR
+--student tiny` with a small random BERT checks the wiring in about a minute
+(tests/test_benchmarks_e2e.py).
 
 Data augmentation needs a masked LM (jax_tinybert/data/augment.py: MLM top-K for one-piece words,
 embedding neighbours only for multi-piece words; there is no MLM-free mode). The packaged MiniLM has
@@ -66,7 +70,7 @@ sys.path.insert(0, REPO)
 
 TASKS = ("sst2", "mrpc", "stsb")
 ALL_GLUE = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
-STUDENT = "small"  # configs/general_distill.py variant: 3 layers, d 384, d_ff 1536, 12 heads
+STUDENT = "small"  # default --student: configs/general_distill.py's 3 layers, d 384, d_ff 1536
 
 # Per budget: subsets (0 = all), steps per stage (0 = the config's epochs), batch sizes, lengths
 # and learning rates (None = the config's own). "full" = the official recipes of configs/*.py.
@@ -217,14 +221,14 @@ def common_overrides(args, b: dict, task: Optional[str], kind: str) -> dict:
 
 
 def run_general(args, b: dict) -> dict:
-    c = _load_config("general_distill", STUDENT)
+    c = _load_config("general_distill", args.student)
     corpus = args.corpus
     if b["corpus_files"]:
         corpus = ",".join(os.path.join(args.corpus, f) for f in b["corpus_files"])
     o = common_overrides(args, b, None, "general")
     o.update({"data.corpus": corpus, "data.train_subset": b["corpus_subset"],
               "data.seq_len": b["general_seq_len"], "train.batch_size": b["general_batch"],
-              "teacher.path": "packaged"})
+              "teacher.path": args.teacher})
     return _run(_set(c, o), os.path.join(args.workdir, "general"))
 
 
@@ -233,7 +237,7 @@ def run_task(args, b: dict, task: str, general_export: str) -> dict:
     teacher_export = os.path.join(tdir, "teacher", "export")
     res: Dict[str, dict] = {}
     c = _set(_load_config("finetune_teacher", task),
-             {**common_overrides(args, b, task, "teacher"), "teacher.path": "packaged"})
+             {**common_overrides(args, b, task, "teacher"), "teacher.path": args.teacher})
     res["teacher"] = _run(c, os.path.join(tdir, "teacher"))
 
     def tinybert(suffix: str, train_file: str = ""):
@@ -594,6 +598,19 @@ def majority_baseline(args, task: str) -> Optional[float]:
     return float(metrics.score(task, np.full_like(labels, major), labels))
 
 
+def _student_shape(variant: str):
+    """(layers, d, d_ff, heads) of a configs/general_distill.py student variant."""
+    c = _load_config("general_distill", variant)
+    s = c.student
+    return s.num_hidden_layers, s.hidden_size, s.intermediate_size, s.num_attention_heads
+
+
+def _teacher_name(teacher: str, short: bool = False) -> str:
+    if teacher == "packaged":
+        return "MiniLM-L6" if short else "packaged all-MiniLM-L6-v2"
+    return os.path.basename(teacher.rstrip("/")) or teacher
+
+
 def make_table(args, b: dict, general: dict, results: Dict[str, dict],
                infer: Dict[str, dict], total_s: float) -> str:
     import jax
@@ -601,9 +618,11 @@ def make_table(args, b: dict, general: dict, results: Dict[str, dict],
     from jax_tinybert.data import glue
 
     L = []
-    L.append(f"GLUE dev, budget `{args.budget}`; student = 3 layers, d 384, d_ff 1536, 12 heads "
-             f"(configs/general_distill.py:{STUDENT}); teacher = packaged all-MiniLM-L6-v2 "
-             "fine-tuned per task. % = student / teacher on the task's main metric. "
+    layers, d, d_ff, heads = _student_shape(args.student)
+    L.append(f"GLUE dev, budget `{args.budget}`; student = {layers} layers, d {d}, d_ff {d_ff}, "
+             f"{heads} heads (configs/general_distill.py:{args.student}); teacher = "
+             f"{_teacher_name(args.teacher)} fine-tuned per task. "
+             "% = student / teacher on the task's main metric. "
              "Inference = jitted forward, batch 32 x task length, median, on "
              f"{jax.devices()[0].platform} ({os.cpu_count()} cores).")
     L.append("")
@@ -620,7 +639,8 @@ def make_table(args, b: dict, general: dict, results: Dict[str, dict],
         name = f"{spec.dir_name} ({spec.main_metric})"
         fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
         pct = lambda x: "n/a" if x is None or not tm else f"{100 * x / tm:.1f}%"
-        L.append(f"| {name} | teacher MiniLM-L6 (fine-tuned) | {fmt(tm)} | 100% | "
+        L.append(f"| {name} | teacher {_teacher_name(args.teacher, short=True)} (fine-tuned) | "
+                 f"{fmt(tm)} | 100% | "
                  f"{t['student_params']:,} | {tms:.1f} | 1.0x | finetune {t['steps']} st {t['wall_s']:.0f} s |"
                  if tms else f"| {name} | teacher | {fmt(tm)} | 100% | {t['student_params']:,} "
                  f"| n/a | n/a | finetune {t['steps']} st {t['wall_s']:.0f} s |")
@@ -699,6 +719,14 @@ def main(argv=None) -> str:
                     "of cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli)")
     ap.add_argument("--workdir", default=None,
                     help="default: /tmp/jax_tinybert_glue_<budget> (outside the repo)")
+    ap.add_argument("--teacher", default="packaged",
+                    help="the pre-trained model fine-tuned per task and distilled from: 'packaged' "
+                    "(all-MiniLM-L6-v2, installed with the package), a Hugging Face folder, or a hub "
+                    "name such as bert-base-uncased (online); budgets small, hour and full")
+    ap.add_argument("--student", default=STUDENT,
+                    help="the general-distillation student: a variant of "
+                    "configs/general_distill.py (tinybert4, tinybert6, small, tiny); budgets small, "
+                    "hour and full (budget cpu starts its students from the teacher's layers)")
     ap.add_argument("--mlm", default="", help="masked LM for data augmentation (HF folder / hub "
                     "name with an MLM head), or 'random-tiny' (wiring check); empty: skip DA")
     ap.add_argument("--train_subset", type=int, default=None, help="override the budget's")
@@ -733,6 +761,16 @@ def main(argv=None) -> str:
                     help="budget cpu: the intermediate stage's layer map, one of uniform, top, "
                     f"bottom, ... or explicit pairs (default {CPU['inter_layer_map']})")
     args = ap.parse_args(argv)
+    if args.budget == "cpu" and (args.teacher != "packaged" or args.student != STUDENT):
+        ap.error("--teacher / --student: budget cpu is sized for the packaged MiniLM (its students "
+                 "start from that teacher's layers 2, 4, 6); use them with --budget small, hour "
+                 "or full")
+    try:
+        _student_shape(args.student)
+    except ValueError as e:
+        ap.error(f"--student: {e}")
+    if args.teacher != "packaged" and os.path.exists(args.teacher):
+        args.teacher = os.path.abspath(args.teacher)
     args.lr = _parse_lr(ap, args.lr)
     try:
         args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip()) \

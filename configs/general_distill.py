@@ -8,14 +8,15 @@ Variants: "small" (default: 3/384/1536/12, half the packaged 6-layer MiniLM teac
 "tinybert4" (4 layers, d 312, d_ff 1200, 12 heads) and "tinybert6" (6/768/3072/12) for a
 12-layer teacher such as `--config.teacher.path=bert-base-uncased` (the uniform layer map
 pairs student layer m with teacher layer round(m N / M): tinybert4 under the 6-layer teacher
-gets 0:0,1:2,2:3,3:5,4:6; other pairs: --config.objective.layer_map=0:0,1:2,2:3,3:5,4:6). Official
+gets 0:0,1:2,2:3,3:5,4:6; other pairs: --config.objective.layer_map=0:0,1:2,2:3,3:5,4:6), and
+"tiny" (2/32/64/4: checks a pipeline's wiring in seconds; it learns little). Official
 recipe: batch 256, lr 1e-4, length 128, 3 epochs; `--config.objective.mode=tinybert` gives the
 official reductions (the maintainers' trace: attention 28.8 -> 7.7, hidden 2.0 -> 1.1).
 """
 from jax_tinybert.config_base import base_config, parse_variant
 
 SHAPES = {"tinybert4": (4, 312, 1200, 12), "tinybert6": (6, 768, 3072, 12),
-          "small": (3, 384, 1536, 12)}
+          "small": (3, 384, 1536, 12), "tiny": (2, 32, 64, 4)}
 
 
 def get_config(arg: str = "small"):

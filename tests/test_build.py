@@ -64,7 +64,7 @@ def test_optimizer_defaults_come_from_the_optimizer():
     ("task_distill", "sst2", "'<name>_intermediate' or '<name>_pred'"),
     ("task_distill", "sst3_pred", "unknown GLUE task 'sst3' (did you mean SST-2?)"),
     ("pkd", "sst2_first", "unknown GLUE task 'sst2_first'"),
-    ("general_distill", "huge", "expected one of tinybert4, tinybert6, small"),
+    ("general_distill", "huge", "expected one of tinybert4, tinybert6, small, tiny"),
     ("finetune_teacher", "imdb", "unknown GLUE task 'imdb'"),
     ("demo", "sst2", "configs/demo.py: takes no variant"),
 ])

