@@ -7,7 +7,6 @@ import pathlib
 import subprocess
 import sys
 
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import tiny_run  # noqa: E402
 
