@@ -26,7 +26,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 # Tests in this process check behaviour and equalities on small models, and compiling is most of
 # their time: they compile with XLA's cheapest backend optimisation, as every tiny CLI run of the
-# suite does (helpers/tiny_run.py). The 16 files that run in-process lost 17% of their CPU time
+# suite does (helpers/tiny_run.py). The 16 files that run in-process lost 18% of their CPU time
 # (810 -> 666 CPU-s, session 35), and all passed. Subprocesses inherit it; the runs whose speed or
 # trained accuracy is checked (`make demo`, tests/test_train_sst2.py) start theirs with the
 # caller's own XLA_FLAGS, kept in JTB_TEST_USER_XLA_FLAGS (helpers/tiny_run.py user_env).
