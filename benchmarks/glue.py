@@ -769,8 +769,17 @@ def main(argv=None) -> str:
         _student_shape(args.student)
     except ValueError as e:
         ap.error(f"--student: {e}")
-    if args.teacher != "packaged" and os.path.exists(args.teacher):
-        args.teacher = os.path.abspath(args.teacher)
+    if args.teacher != "packaged":
+        from jax_tinybert.config_check import looks_local
+
+        # A folder is checked now, not after the general distillation; a hub name when a stage
+        # loads it (a one-line error too, below).
+        if looks_local(args.teacher):
+            if not os.path.isfile(os.path.join(os.path.expanduser(args.teacher), "config.json")):
+                ap.error(f"--teacher {args.teacher}: no model folder there (config.json and "
+                         "model.safetensors); pass 'packaged', a model folder or a Hugging Face "
+                         "hub name such as bert-base-uncased")
+            args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
     args.lr = _parse_lr(ap, args.lr)
     try:
         args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip()) \
@@ -851,8 +860,14 @@ if __name__ == "__main__":
     try:
         main()
     except Exception as e:
+        from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line
         from jax_tinybert.preemption import Preempted  # JAX starts after main() set its env
 
+        if isinstance(e, UserError):
+            # A stage refused its config (a hub name that cannot be loaded, a damaged model): one
+            # line, as the command line prints it; the finished stages are kept for the rerun.
+            sys.stderr.write(f"error: {one_line(e)}\n")
+            sys.exit(EXIT_USER_ERROR)
         if not isinstance(e, Preempted):
             raise
         # SIGTERM: the stage saved its state; the same command resumes it.

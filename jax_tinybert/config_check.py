@@ -256,14 +256,14 @@ def _check_sequences(config) -> None:
 _LOGIT_OBJECTIVES = ("tinybert_pred", "kd", "pkd")
 
 
-def _looks_local(p: str) -> bool:
+def looks_local(p: str) -> bool:
     """A path, not a Hugging Face hub name ('org/name' or 'name')."""
     return p.startswith((".", "/", "~")) or p.count("/") > 1 or os.path.exists(p)
 
 
 def _model_folder(field: str, p: str, example: str) -> Optional[str]:
     """The local folder `p` after checking it holds a model (a hub name is downloaded)."""
-    if not _looks_local(p):
+    if not looks_local(p):
         try:
             return resolve_path(p)
         except PathError as e:

@@ -85,6 +85,8 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     (["--tasks", "mrpc", "--layer_map", "1:1,2:2,4:6"], "names student layer 4"),
     (["--tasks", "mrpc", "--teacher", "bert-base-uncased"], "budget cpu is sized for the packaged"),
     (["--tasks", "mrpc", "--student", "tinybert4"], "use them with --budget small, hour or full"),
+    (["--budget", "small", "--tasks", "mrpc", "--teacher", "./no_such_dir"],
+     "--teacher ./no_such_dir: no model folder there (config.json and model.safetensors)"),
     (["--budget", "small", "--tasks", "mrpc", "--student", "huge"],
      "--student: configs/general_distill.py: variant 'huge': expected one of "
      "tinybert4, tinybert6, small, tiny"),
@@ -95,6 +97,22 @@ def test_bad_arguments_are_one_line_errors(tmp_path, glue_dir, argv, msg):
                         *argv], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": REPO})
     assert p.returncode == 2 and msg in p.stderr, p.stderr
+    assert not (tmp_path / "w" / "results.json").exists()
+
+
+def test_a_teacher_a_stage_cannot_load_is_one_line(tmp_path, glue_dir):
+    """A hub name that cannot be loaded (offline here) stops the first stage that loads it with
+    the command line's one-line error and status 2, not a traceback."""
+    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"), "--budget",
+                        "small", "--tasks", "sst2", "--glue_dir", str(glue_dir),
+                        "--workdir", str(tmp_path / "w"), "--teacher", "no-such-org/no-such-model"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"})
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert lines[-1].startswith("error: config.teacher.path='no-such-org/no-such-model': no such "
+                                "folder"), lines[-1]
+    assert "not downloadable from the Hugging Face hub" in lines[-1]
     assert not (tmp_path / "w" / "results.json").exists()
 
 
