@@ -769,17 +769,23 @@ def main(argv=None) -> str:
         _student_shape(args.student)
     except ValueError as e:
         ap.error(f"--student: {e}")
-    if args.teacher != "packaged":
-        from jax_tinybert.config_check import looks_local
+    if args.budget == "cpu" and args.mlm == "random-tiny":
+        ap.error("--mlm random-tiny: a wiring check of budgets small, hour and full; budget cpu "
+                 "augments with a masked LM folder or hub name, or without --mlm with the "
+                 "teacher's embedding neighbours")
+    from jax_tinybert.config_check import looks_local
 
-        # A folder is checked now, not after the general distillation; a hub name when a stage
-        # loads it (a one-line error too, below).
-        if looks_local(args.teacher):
-            if not os.path.isfile(os.path.join(os.path.expanduser(args.teacher), "config.json")):
-                ap.error(f"--teacher {args.teacher}: no model folder there (config.json and "
-                         "model.safetensors); pass 'packaged', a model folder or a Hugging Face "
+    # Model folders are checked now, not stages later (the masked LM is first read after four
+    # stages); a hub name when a stage loads it (a one-line error too, below).
+    for flag, value, other in (("--teacher", args.teacher, "'packaged'"),
+                               ("--mlm", args.mlm, "'random-tiny'")):
+        if value and value not in ("packaged", "random-tiny") and looks_local(value):
+            if not os.path.isfile(os.path.join(os.path.expanduser(value), "config.json")):
+                ap.error(f"{flag} {value}: no model folder there (config.json and "
+                         f"model.safetensors); pass {other}, a model folder or a Hugging Face "
                          "hub name such as bert-base-uncased")
-            args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
+    if args.teacher != "packaged" and looks_local(args.teacher):
+        args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
     args.lr = _parse_lr(ap, args.lr)
     try:
         args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip()) \

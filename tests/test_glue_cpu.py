@@ -87,6 +87,9 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     (["--tasks", "mrpc", "--student", "tinybert4"], "use them with --budget small, hour or full"),
     (["--budget", "small", "--tasks", "mrpc", "--teacher", "./no_such_dir"],
      "--teacher ./no_such_dir: no model folder there (config.json and model.safetensors)"),
+    (["--tasks", "mrpc", "--mlm", "random-tiny"], "--mlm random-tiny: a wiring check of budgets"),
+    (["--budget", "small", "--tasks", "mrpc", "--mlm", "../no_mlm"],
+     "--mlm ../no_mlm: no model folder there"),
     (["--budget", "small", "--tasks", "mrpc", "--student", "huge"],
      "--student: configs/general_distill.py: variant 'huge': expected one of "
      "tinybert4, tinybert6, small, tiny"),
