@@ -786,6 +786,11 @@ def main(argv=None) -> str:
                          "hub name such as bert-base-uncased")
     if args.teacher != "packaged" and looks_local(args.teacher):
         args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
+        with open(os.path.join(args.teacher, "config.json")) as fh:
+            layers = json.load(fh).get("num_hidden_layers", 0)
+        if layers < 3:   # configs/pkd.py: the PKD student is the teacher's layers 1, 2, 3
+            ap.error(f"--teacher {args.teacher}: {layers} layers; the PKD row's student takes the "
+                     "teacher's layers 1-3: pass a teacher of at least 3 layers")
     args.lr = _parse_lr(ap, args.lr)
     try:
         args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip()) \
@@ -862,9 +867,12 @@ def main(argv=None) -> str:
     return table
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """main(argv) as a command: its exit status, with a stage's refusal of its config as the
+    command line's one-line error (status 2) and a stop on SIGTERM / Ctrl-C as 143 / 130."""
     try:
-        main()
+        main(argv)
+        return 0
     except Exception as e:
         from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line
         from jax_tinybert.preemption import Preempted  # JAX starts after main() set its env
@@ -873,9 +881,15 @@ if __name__ == "__main__":
             # A stage refused its config (a hub name that cannot be loaded, a damaged model): one
             # line, as the command line prints it; the finished stages are kept for the rerun.
             sys.stderr.write(f"error: {one_line(e)}\n")
-            sys.exit(EXIT_USER_ERROR)
+            return EXIT_USER_ERROR
         if not isinstance(e, Preempted):
             raise
-        # SIGTERM: the stage saved its state; the same command resumes it.
-        print(f"{e} (benchmarks/glue.py: rerun the same command)", file=sys.stderr)
-        sys.exit(143)
+        # The stage saved its state (train.py said which step); the same command resumes it.
+        print(f"benchmarks/glue.py: stopped in {e.workdir or 'a stage'} at its step {e.step}; "
+              "rerun the same command: finished stages are kept, this one resumes",
+              file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from helpers import tiny_run
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -101,6 +103,46 @@ def test_bad_arguments_are_one_line_errors(tmp_path, glue_dir, argv, msg):
                        env={**os.environ, "PYTHONPATH": REPO})
     assert p.returncode == 2 and msg in p.stderr, p.stderr
     assert not (tmp_path / "w" / "results.json").exists()
+
+
+def test_a_stopped_stage_exits_as_the_command_line_does(glue_bench, monkeypatch, capsys):
+    """SIGTERM / Ctrl-C inside a stage: 143 / 130 and where to resume; a stage's config error:
+    one line and 2; anything else keeps its traceback."""
+    import signal
+
+    from jax_tinybert.errors import PathError
+    from jax_tinybert.preemption import Preempted
+
+    def stops(e):
+        def main(argv=None):
+            raise e
+        return main
+
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        monkeypatch.setattr(glue_bench, "main", stops(Preempted(2, "w/sst2/teacher", signum)))
+        assert glue_bench.cli([]) == code
+        assert "benchmarks/glue.py: stopped in w/sst2/teacher at its step 2; rerun the same " \
+               "command" in capsys.readouterr().err
+    monkeypatch.setattr(glue_bench, "main", stops(PathError("config.teacher.path='x': no such "
+                                                             "folder; pass a model folder")))
+    assert glue_bench.cli([]) == 2
+    assert capsys.readouterr().err == "error: config.teacher.path='x': no such folder; pass a " \
+                                      "model folder\n"
+    monkeypatch.setattr(glue_bench, "main", stops(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        glue_bench.cli([])
+
+
+def test_a_teacher_too_shallow_for_pkd_is_refused_before_any_stage(tmp_path, glue_dir):
+    teacher = tiny_run.tiny_teacher(tmp_path / "t2", layers=2)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"), "--budget",
+                        "small", "--tasks", "sst2", "--glue_dir", str(glue_dir),
+                        "--workdir", str(tmp_path / "w"), "--teacher", teacher],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert p.returncode == 2 and "2 layers; the PKD row's student takes the teacher's layers " \
+        "1-3" in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "w" / "general").exists()
 
 
 def test_a_teacher_a_stage_cannot_load_is_one_line(tmp_path, glue_dir):
