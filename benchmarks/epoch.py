@@ -617,6 +617,18 @@ def parse_args(argv=None):
     for s in args.stages:
         if s not in ("finetune", "intermediate", "pred"):
             p.error(f"--stages: unknown stage {s!r}")
+    if not args.render:
+        # Checked before anything runs: the official loop's set-up and the first stages take
+        # minutes, and a wrong folder would only show when a task's data is read.
+        if args.official_dir and not os.path.isdir(os.path.join(args.official_dir, "transformer")):
+            p.error(f"--official_dir {args.official_dir}: no transformer/ folder (pass the "
+                    "official repository's TinyBERT folder)")
+        for t in args.tasks:
+            for split in ("train", "dev"):
+                f = os.path.join(args.glue_dir, TASK_DIRS[t], f"{split}.tsv")
+                if not os.path.isfile(f):
+                    p.error(f"--glue_dir {args.glue_dir}: no {f} (pass the folder holding "
+                            f"{TASK_DIRS[t]}/train.tsv and dev.tsv, e.g. ../shared/data/glue)")
     args.official_models = os.path.join(args.scratch, "official_models")
     return args
 
@@ -627,9 +639,6 @@ def main(argv=None):
         with open(args.render) as fh:
             print(render(json.load(fh)))
         return
-    if args.official_dir and not os.path.isdir(os.path.join(args.official_dir, "transformer")):
-        raise SystemExit(f"--official_dir {args.official_dir}: no transformer/ folder (pass the "
-                         "official repository's TinyBERT folder)")
     os.makedirs(args.scratch, exist_ok=True)
     cache = os.path.join(args.scratch, "xla_cache")
     shutil.rmtree(cache, ignore_errors=True)

@@ -218,3 +218,16 @@ def test_the_official_step_is_timed_before_every_process_but_the_first(tmp_path,
                      (3, ["mrpc", "mrpc_intermediate", "mrpc_pred"]),
                      (None, ["mrpc", "mrpc_intermediate", "mrpc_pred", "mrpc_pred+"])]
     assert len(t["official"]) == 2
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--official_dir", "/no/such/TinyBERT"], "--official_dir /no/such/TinyBERT: no transformer/ "
+                                              "folder (pass the official repository's TinyBERT folder)"),
+    (["--glue_dir", "/no/such/glue"], "--glue_dir /no/such/glue: no /no/such/glue/MRPC/train.tsv "
+                                      "(pass the folder holding MRPC/train.tsv and dev.tsv"),
+])
+def test_wrong_folders_are_refused_before_anything_runs(tmp_path, capsys, argv, msg):
+    with pytest.raises(SystemExit) as e:
+        epoch.main(["--tasks", "mrpc", "--scratch", str(tmp_path / "s"), *argv])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
