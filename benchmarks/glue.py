@@ -788,9 +788,11 @@ def main(argv=None) -> str:
         args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
         with open(os.path.join(args.teacher, "config.json")) as fh:
             layers = json.load(fh).get("num_hidden_layers", 0)
-        if layers < 3:   # configs/pkd.py: the PKD student is the teacher's layers 1, 2, 3
+        # The PKD row's student is made of the teacher layers configs/pkd.py names.
+        need = max(_load_config("pkd", "sst2").student.teacher_layers)
+        if layers < need:
             ap.error(f"--teacher {args.teacher}: {layers} layers; the PKD row's student takes the "
-                     "teacher's layers 1-3: pass a teacher of at least 3 layers")
+                     f"teacher's layers 1-{need}: pass a teacher of at least {need} layers")
     args.lr = _parse_lr(ap, args.lr)
     try:
         args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip()) \

@@ -14,10 +14,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(args, tmp_path, timeout):
-    # Shapes, not speed, are checked: XLA's cheapest backend optimisation, as every tiny run of
-    # the suite (tests/helpers/tiny_run.py): compiling is most of these runs.
-    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=" ".join(
-        [os.environ.get("XLA_FLAGS", ""), tiny_run.FAST_COMPILE_XLA_FLAGS]).strip())
+    # Shapes, not speed, are checked: the test process's XLA_FLAGS, which tests/conftest.py gave
+    # XLA's cheapest backend optimisation (compiling is most of these runs).
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable] + args, cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
