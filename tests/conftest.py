@@ -60,13 +60,15 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
     if 1 < _n <= len(_cpus):
         os.sched_setaffinity(0, _cpus[_i * len(_cpus) // _n:(_i + 1) * len(_cpus) // _n])
 
-# Longest files first (CPU-s of a serial run, most first), so that under `--dist loadfile` the
-# long ones start at once and the tail is made of short files (longest-processing-time-first
+# Longest files first (CPU-s in a whole `make test`, session 35, most first), so that under
+# `--dist loadfile` the long ones start at once and the tail is made of short files (longest-processing-time-first
 # scheduling); files not listed keep their order after these. Only the order changes.
 LONGEST_FIRST = (
-    "test_train_sst2.py", "test_readme.py", "test_benchmarks_e2e.py", "test_multiprocess.py",
-    "test_cli.py", "test_resume.py", "test_train.py", "test_benchmarks.py", "test_launch.py",
-    "test_step.py", "test_gcs_workdir.py", "test_plan.py", "test_checkpoints.py", "test_sst2_epoch_bench.py",
+    "test_readme.py", "test_train_sst2.py", "test_benchmarks.py", "test_cli.py", "test_resume.py",
+    "test_benchmarks_e2e.py", "test_multiprocess.py", "test_step.py", "test_train.py",
+    "test_chunks.py", "test_modeling.py", "test_teacher_store.py", "test_plan.py",
+    "test_teacher_cache.py", "test_precompile.py", "test_launch.py", "test_optim.py",
+    "test_gcs_workdir.py", "test_checkpoints.py",
 )
 
 
