@@ -694,6 +694,31 @@ def budget_note(args, b: dict) -> str:
     return " ".join(parts)
 
 
+def _model_folder_problem(path: str) -> str:
+    """What keeps the local folder `path` from being a model a stage can load ('' if nothing):
+    the files `config_check` asks of config.teacher.path, here before any stage runs."""
+    from jax_tinybert.hf import WEIGHT_FILES
+
+    q = os.path.expanduser(path)
+    if not os.path.isdir(q):
+        return "a file, not a model folder" if os.path.exists(q) else "no model folder there"
+    missing = [] if os.path.isfile(os.path.join(q, "config.json")) else ["config.json"]
+    if not any(os.path.exists(os.path.join(q, w)) for w in WEIGHT_FILES):
+        missing.append(" or ".join(WEIGHT_FILES))
+    if not any(os.path.exists(os.path.join(q, t)) for t in ("vocab.txt", "tokenizer.json")):
+        missing.append("tokenizer (vocab.txt or tokenizer.json)")
+    if missing:
+        return f"the folder has no {' and no '.join(missing)}"
+    try:
+        with open(os.path.join(q, "config.json")) as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as e:
+        return f"config.json is not readable JSON ({e})"
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("num_hidden_layers"), int):
+        return "config.json has no num_hidden_layers: not a BERT config"
+    return ""
+
+
 def _parse_lr(ap, text: str) -> Dict[str, float]:
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
@@ -780,10 +805,11 @@ def main(argv=None) -> str:
     for flag, value, other in (("--teacher", args.teacher, "'packaged'"),
                                ("--mlm", args.mlm, "'random-tiny'")):
         if value and value not in ("packaged", "random-tiny") and looks_local(value):
-            if not os.path.isfile(os.path.join(os.path.expanduser(value), "config.json")):
-                ap.error(f"{flag} {value}: no model folder there (config.json and "
-                         f"model.safetensors); pass {other}, a model folder or a Hugging Face "
-                         "hub name such as bert-base-uncased")
+            problem = _model_folder_problem(value)
+            if problem:
+                ap.error(f"{flag} {value}: {problem}; pass {other}, a model folder (config.json, "
+                         "model.safetensors and the tokenizer, as a run's <workdir>/export) or a "
+                         "Hugging Face hub name such as bert-base-uncased")
     if args.teacher != "packaged" and looks_local(args.teacher):
         args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
         with open(os.path.join(args.teacher, "config.json")) as fh:

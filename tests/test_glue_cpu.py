@@ -88,7 +88,8 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     (["--tasks", "mrpc", "--teacher", "bert-base-uncased"], "budget cpu is sized for the packaged"),
     (["--tasks", "mrpc", "--student", "tinybert4"], "use them with --budget small, hour or full"),
     (["--budget", "small", "--tasks", "mrpc", "--teacher", "./no_such_dir"],
-     "--teacher ./no_such_dir: no model folder there (config.json and model.safetensors)"),
+     "--teacher ./no_such_dir: no model folder there; pass 'packaged', a model folder "
+     "(config.json, model.safetensors and the tokenizer"),
     (["--tasks", "mrpc", "--mlm", "random-tiny"], "--mlm random-tiny: a wiring check of budgets"),
     (["--budget", "small", "--tasks", "mrpc", "--mlm", "../no_mlm"],
      "--mlm ../no_mlm: no model folder there"),
@@ -103,6 +104,34 @@ def test_bad_arguments_are_one_line_errors(tmp_path, glue_dir, argv, msg):
                        env={**os.environ, "PYTHONPATH": REPO})
     assert p.returncode == 2 and msg in p.stderr, p.stderr
     assert not (tmp_path / "w" / "results.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--teacher", "--mlm"])
+def test_a_model_folder_missing_files_is_refused_before_any_stage(tmp_path, glue_dir, flag):
+    """A folder that is not a whole model: refused at once, naming the flag and what is missing
+    (a stage would have failed on it hours in, for --mlm after four stages)."""
+    cases = {
+        "no_weights": ({"config.json": '{"num_hidden_layers": 6}', "vocab.txt": "[PAD]"},
+                       "the folder has no model.safetensors or pytorch_model.bin or "
+                       "flax_model.msgpack;"),
+        "no_tokenizer": ({"config.json": '{"num_hidden_layers": 6}', "model.safetensors": ""},
+                         "the folder has no tokenizer (vocab.txt or tokenizer.json);"),
+        "bad_json": ({"config.json": '{"num_hidden_layers": 6', "model.safetensors": "",
+                      "vocab.txt": "[PAD]"}, "config.json is not readable JSON"),
+    }
+    for name, (files, msg) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for f, text in files.items():
+            (folder / f).write_text(text)
+        p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"),
+                            "--budget", "small", "--tasks", "mrpc", "--glue_dir", str(glue_dir),
+                            "--workdir", str(tmp_path / "w"), flag, str(folder)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": REPO})
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and f"{flag} {folder}: {msg}" in lines[-1], (name, p.stderr)
+        assert not (tmp_path / "w").exists(), name
 
 
 def test_a_stopped_stage_exits_as_the_command_line_does(glue_bench, monkeypatch, capsys):

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from helpers import tiny_run
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "helpers" / "plan_vs_real.py"
 
@@ -17,7 +19,7 @@ def _env(cache=None):
     env["PYTHONPATH"] = str(REPO)
     # Compiling is most of a plan of tiny models: XLA's cheapest backend optimisation, as
     # tests/helpers/tiny_run.py (the planner keeps XLA_FLAGS other than the device count).
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    env["XLA_FLAGS"] = tiny_run.FAST_COMPILE_XLA_FLAGS
     if cache:
         # The real step's compile then hits the executable the planner compiled: a cache hit
         # is itself proof that both built the same program (same HLO fingerprint).

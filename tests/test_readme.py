@@ -168,7 +168,7 @@ def clone(tmp_path_factory, shared_dir):
     # The commands' behaviour is checked, not their speed: XLA's cheapest backend optimisation,
     # as every tiny run of the suite (tests/helpers/tiny_run.py); compiling is most of each stage.
     env.update(PYTHONPATH=str(repo), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+               XLA_FLAGS=tiny_run.FAST_COMPILE_XLA_FLAGS)
     return repo, env
 
 
