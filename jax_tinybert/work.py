@@ -46,41 +46,79 @@ def program_flops(program) -> float:
 
 
 class Work:
-    """FLOPs summed over calls, each program analysed once (thread-safe)."""
+    """FLOPs summed over calls, each program analysed once (thread-safe).
+
+    A program can be handed over before it is analysed (`defer`): converting its module to HLO
+    for the count takes ~0.3 s, and a step waiting for the program compiled ahead should not
+    wait for that too. Reading `flops`, `calls`, `unknown` or `known` analyses what is left."""
 
     def __init__(self):
         self._per_program: Dict[Hashable, float] = {}
+        self._deferred: Dict[Hashable, Any] = {}   # key -> program, not analysed yet
+        self._calls: Dict[Hashable, int] = {}
         self._lock = threading.Lock()
-        self.flops = 0.0
-        self.calls = 0
-        self.unknown = 0   # calls whose program has no count
 
     def analyse(self, key: Hashable, program) -> float:
         """Counts the program `key` (a Lowered or Compiled), ahead of its calls; -> its FLOPs."""
         f = program_flops(program)
         with self._lock:
             self._per_program[key] = f
+            self._deferred.pop(key, None)
         return f
 
+    def defer(self, key: Hashable, program) -> None:
+        """The program `key`, to analyse later (`analyse_deferred`, or when a total is read)."""
+        with self._lock:
+            if key not in self._per_program:
+                self._deferred[key] = program
+
+    def analyse_deferred(self) -> None:
+        with self._lock:
+            todo = list(self._deferred.items())
+        for key, program in todo:
+            self.analyse(key, program)
+
     def add(self, key: Hashable, lower: Optional[Callable[[], Any]] = None) -> None:
-        """One call of the program `key`. Not analysed yet: `lower()` -> its Lowered is (after
-        the call has compiled it, a jitted function's `lower` is a cache hit); without `lower`
-        the call has no count."""
+        """One call of the program `key`. Not analysed (nor deferred) yet: `lower()` -> its
+        Lowered is (after the call has compiled it, a jitted function's `lower` is a cache hit);
+        without `lower` the call has no count."""
         with self._lock:
-            f = self._per_program.get(key)
-        if f is None and lower is not None:
-            f = self.analyse(key, lower())
+            seen = key in self._per_program or key in self._deferred
+        if not seen and lower is not None:
+            self.analyse(key, lower())
         with self._lock:
-            self.calls += 1
-            if f is not None and math.isfinite(f):
-                self.flops += f
-            else:
-                self.unknown += 1
+            self._calls[key] = self._calls.get(key, 0) + 1
+
+    def _totals(self):
+        self.analyse_deferred()
+        with self._lock:
+            flops, unknown = 0.0, 0
+            for key, n in self._calls.items():
+                f = self._per_program.get(key)
+                if f is not None and math.isfinite(f):
+                    flops += n * f
+                else:
+                    unknown += n
+            return flops, sum(self._calls.values()), unknown
+
+    @property
+    def flops(self) -> float:
+        return self._totals()[0]
+
+    @property
+    def calls(self) -> int:
+        return self._totals()[1]
+
+    @property
+    def unknown(self) -> int:
+        """Calls whose program has no count."""
+        return self._totals()[2]
 
     @property
     def known(self) -> bool:
         """Whether every call was counted (and there was one)."""
-        return self.calls > 0 and self.unknown == 0
+        _, calls, unknown = self._totals()
+        return calls > 0 and unknown == 0
 
 
 def fmt(flops: float, seconds: float = 0.0) -> str:
