@@ -261,8 +261,32 @@ def looks_local(p: str) -> bool:
     return p.startswith((".", "/", "~")) or p.count("/") > 1 or os.path.exists(p)
 
 
-def _model_folder(field: str, p: str, example: str) -> Optional[str]:
-    """The local folder `p` after checking it holds a model (a hub name is downloaded)."""
+def _run_without_export(export_dir: str, makes: str) -> Optional[str]:
+    """Why `export_dir`, a missing `<workdir>/export`, is not there yet, and what to run: the
+    recipe run out of order, or a stage stopped before it finished. None if the path is not a
+    run's export folder. makes: what to run, with `{run}` for the workdir."""
+    path = os.path.normpath(os.path.expanduser(export_dir))
+    if os.path.basename(path) != "export":
+        return None
+    run = os.path.dirname(export_dir.rstrip("/")) or "."
+    if not os.path.isdir(os.path.dirname(path)):
+        return (f"nothing has run in {run} yet, and a stage writes its model to <workdir>/export "
+                f"when it finishes: run {makes.format(run=run)} first")
+    if os.path.exists(os.path.join(os.path.dirname(path), "summary.json")):
+        return (f"the run in {run} finished without an export (export.enabled=False): rerun its "
+                f"command with --config.export.enabled=True to write it")
+    ckpts = os.path.join(os.path.dirname(path), "checkpoints")
+    steps = sorted(int(d) for d in (os.listdir(ckpts) if os.path.isdir(ckpts) else [])
+                   if d.isdigit())
+    saved = f" (last checkpoint: step {steps[-1]})" if steps else ""
+    return (f"the run in {run} has not finished{saved}, and a stage writes its model to "
+            f"<workdir>/export when it finishes: rerun that run's command to resume and finish it")
+
+
+def _model_folder(field: str, p: str, example: str,
+                  makes: str = "the stage with --workdir={run}") -> Optional[str]:
+    """The local folder `p` after checking it holds a model (a hub name is downloaded).
+    makes: the command whose export a missing `<workdir>/export` is, `{run}` its workdir."""
     if not looks_local(p):
         try:
             return resolve_path(p)
@@ -272,6 +296,9 @@ def _model_folder(field: str, p: str, example: str) -> Optional[str]:
     if not os.path.isdir(q):
         what = "is a file, not a folder" if os.path.exists(q) else \
             f"no such folder (relative to {os.getcwd()})"
+        why = None if os.path.exists(q) else _run_without_export(p, makes)
+        if why:
+            raise PathError(f"config.{field}={p!r}: {what}: {why}")
         raise PathError(f"config.{field}={p!r}: {what}; pass a model folder holding config.json "
                         f"and model.safetensors, e.g. --config.{field}={example}")
     missing = [] if os.path.exists(os.path.join(q, "config.json")) else ["config.json"]
@@ -322,7 +349,9 @@ def check_paths(config) -> None:
     tdir = None
     if config.teacher.path != config_base.PACKAGED_TEACHER:
         tdir = _model_folder("teacher.path", str(config.teacher.path),
-                             f"runs/{task}/teacher/export")
+                             f"runs/{task}/teacher/export",
+                             f"jax-tinybert --config=configs/finetune_teacher.py:{task} "
+                             "--workdir={run}")
     if tdir is not None and config.objective.name in _LOGIT_OBJECTIVES and not (
             config.objective.name == "tinybert_pred"
             and config.objective.regression_target == "gold"):
@@ -344,7 +373,10 @@ def check_paths(config) -> None:
     sdir = None
     if config.student.init == "pretrained" and config.student.path and \
             config.student.path != config_base.PACKAGED_TEACHER:
-        sdir = _model_folder("student.path", str(config.student.path), "runs/general/export")
+        sdir = _model_folder("student.path", str(config.student.path), "runs/general/export",
+                             "the stage that trains the student with --workdir={run} "
+                             "(configs/general_distill.py, or configs/task_distill.py:"
+                             f"{task}_intermediate before the prediction stage)")
     for folder in (tdir, sdir):
         n = _max_positions(folder) if folder else None
         length = config.data.seq_len if config.data.kind == "corpus" else config.data.max_len

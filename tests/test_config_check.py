@@ -155,10 +155,38 @@ def test_paths_are_checked_with_the_field_and_a_fix(tmp_path, monkeypatch):
     monkeypatch.delenv("GLUE_DIR", raising=False)
     c = config_base.base_config()
     c.data.kind = "synthetic"
+    c.teacher.path = "./my_teacher"
+    with pytest.raises(PathError, match=r"config.teacher.path='./my_teacher': no such folder "
+                       r"\(relative to .*; pass a model folder holding config.json and "
+                       r"model.safetensors, e.g. --config.teacher.path=runs/sst2/teacher/export"):
+        cc.validate_config(build.with_defaults(c))
+    # A run's export that is not there yet: the recipe run out of order, a stage not finished.
     c.teacher.path = "runs/sst2/teacher/export"
     with pytest.raises(PathError, match=r"config.teacher.path='runs/sst2/teacher/export': no such "
-                       r"folder \(relative to .*--config.teacher.path=runs/sst2/teacher/export"):
+                       r"folder \(relative to .*\): nothing has run in runs/sst2/teacher yet, .*: "
+                       r"run jax-tinybert --config=configs/finetune_teacher.py:sst2 "
+                       r"--workdir=runs/sst2/teacher first$"):
         cc.validate_config(build.with_defaults(c))
+    for step in (100, 208):
+        (tmp_path / "runs" / "sst2" / "teacher" / "checkpoints" / str(step)).mkdir(parents=True)
+    with pytest.raises(PathError, match=r"the run in runs/sst2/teacher has not finished \(last "
+                       r"checkpoint: step 208\), .*: rerun that run's command to resume and "
+                       r"finish it$"):
+        cc.validate_config(build.with_defaults(c))
+    (tmp_path / "runs" / "sst2" / "teacher" / "summary.json").write_text("{}")
+    with pytest.raises(PathError, match=r"the run in runs/sst2/teacher finished without an export "
+                       r"\(export.enabled=False\): rerun its command with "
+                       r"--config.export.enabled=True"):
+        cc.validate_config(build.with_defaults(c))
+    c.teacher.path = "packaged"
+    c.student.init, c.student.path = "pretrained", "runs/general/export"
+    with pytest.raises(PathError, match=r"config.student.path='runs/general/export': .*nothing has "
+                       r"run in runs/general yet, .*: run the stage that trains the student with "
+                       r"--workdir=runs/general \(configs/general_distill.py, or "
+                       r"configs/task_distill.py:sst2_intermediate before the prediction stage\) "
+                       r"first$"):
+        cc.validate_config(build.with_defaults(c))
+    c.student.init, c.student.path = "random", ""
     (tmp_path / "t").mkdir()
     c.teacher.path = "t"
     with pytest.raises(PathError, match="config.teacher.path='t': the folder has no config.json "
