@@ -307,6 +307,14 @@ def _model_folder(field: str, p: str, example: str,
     if field == "teacher.path" and not any(os.path.exists(os.path.join(q, t))
                                            for t in ("vocab.txt", "tokenizer.json")):
         missing.append("tokenizer (vocab.txt or tokenizer.json)")
+    if missing and os.path.isdir(os.path.join(q, "export")):
+        export = os.path.join(p.rstrip("/"), "export")
+        raise PathError(f"config.{field}={p!r} is a run's workdir, not a model folder: its model "
+                        f"is in {export}; pass --config.{field}={export}")
+    if missing and os.path.isdir(os.path.join(q, "checkpoints")):
+        why = _run_without_export(os.path.join(p.rstrip("/"), "export"), makes)
+        raise PathError(f"config.{field}={p!r} is a run's workdir, not a model folder: {why}; "
+                        f"then pass --config.{field}={os.path.join(p.rstrip('/'), 'export')}")
     if missing:
         raise PathError(f"config.{field}={p!r}: the folder has no {' and no '.join(missing)}; "
                         f"pass a model folder (a run's <workdir>/export), e.g. "

@@ -208,6 +208,28 @@ def test_paths_are_checked_with_the_field_and_a_fix(tmp_path, monkeypatch):
         cc.validate_config(build.with_defaults(c))
 
 
+def test_a_run_workdir_passed_as_a_model_names_its_export(tmp_path, monkeypatch):
+    from jax_tinybert.errors import PathError
+
+    monkeypatch.chdir(tmp_path)
+    c = config_base.base_config()
+    c.data.kind = "synthetic"
+    run = tmp_path / "runs" / "t"
+    (run / "checkpoints" / "40").mkdir(parents=True)
+    (run / "config.json").write_text("{}")      # a workdir holds the run's config.json
+    c.teacher.path = "runs/t"
+    with pytest.raises(PathError, match=r"^config.teacher.path='runs/t' is a run's workdir, not a "
+                       r"model folder: the run in runs/t has not finished \(last checkpoint: step "
+                       r"40\), .*; then pass --config.teacher.path=runs/t/export$"):
+        cc.validate_config(build.with_defaults(c))
+    (run / "export").mkdir()
+    c.teacher.path = "runs/t/"
+    with pytest.raises(PathError, match=r"^config.teacher.path='runs/t/' is a run's workdir, not a "
+                       r"model folder: its model is in runs/t/export; pass "
+                       r"--config.teacher.path=runs/t/export$"):
+        cc.validate_config(build.with_defaults(c))
+
+
 def test_logit_stages_need_a_fine_tuned_teacher():
     c = config_base.base_config()
     c.data.kind = "synthetic"
