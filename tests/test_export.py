@@ -224,3 +224,19 @@ def test_export_of_a_damaged_best_checkpoint_is_refused(tmp_path):
         run_export.export_from_workdir(str(tmp_path / "run"), str(tmp_path / "out"), "best")
     assert (tmp_path / "run" / "best" / "corrupt_5").is_dir()
     assert not (tmp_path / "out").exists()
+
+
+def test_run_export_of_a_workdir_without_checkpoints_is_one_line(tmp_path, capsys):
+    """`python -m jax_tinybert.run_export` on a wrong --workdir: one line, status 2 (it was a
+    FileNotFoundError traceback, status 1)."""
+    from jax_tinybert.errors import tool_exit
+
+    for workdir, what in ((tmp_path / "runs" / "nope", "no such folder (relative to "),
+                          (tmp_path, "holds no checkpoint, so there is nothing to export")):
+        argv = [f"--workdir={workdir}", f"--out={tmp_path / 'out'}"]
+        assert tool_exit(lambda: run_export.main(argv)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"error: {workdir}: {what}") and err[-1].endswith(
+            "; pass the --workdir of a training run"), err
+        assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "runs").exists()   # a mistyped workdir is not created

@@ -33,6 +33,7 @@ import argparse
 import csv
 import logging
 import os
+import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -42,6 +43,7 @@ import numpy as np
 from jax_tinybert import fs, hf
 from jax_tinybert.data import glue
 from jax_tinybert.data.tokenize import load_tokenizer
+from jax_tinybert.errors import PathError, tool_exit
 from jax_tinybert.modeling import BertForMaskedLM, BertModel, _MLMHead
 
 log = logging.getLogger(__name__)
@@ -239,7 +241,6 @@ class Augmenter:
                     pos[r] = poss[j]
                 top = np.asarray(self._top(self.params, ids, mask, pos, self._ok_dev))
                 for r, j in enumerate(chunk):
-                    word = requests[j][2].lower()
                     cands = [self.id2tok[int(t)] for t in top[r]]
                     out[j] = self._filter(cands, requests[j][2])
         return out
@@ -372,6 +373,18 @@ class Augmenter:
         return {"rows_in": len(rows), "rows_out": n_out}
 
 
+def _resolve(flag: str, path_or_name: str) -> str:
+    """hf.resolve_path, its error naming `flag` and what works without the hub."""
+    try:
+        return hf.resolve_path(path_or_name)
+    except PathError as e:
+        problem = str(e).split("; pass ", 1)[0]   # resolve_path's fix names config values
+        raise PathError(f"{flag} {problem}; pass a folder holding config.json and the weights "
+                        "(a masked LM for --mode mlm, e.g. the export of configs/mlm_head.py; "
+                        "any BERT for --mode embedding --encoder, e.g. the teacher's export), "
+                        "or a hub name when online") from e
+
+
 def _main(argv=None):
     ap = argparse.ArgumentParser(description="TinyBERT data augmentation -> <out>/train_aug.tsv")
     ap.add_argument("--task", required=True)
@@ -413,13 +426,15 @@ def _main(argv=None):
     common = dict(glove=glove, N=args.N, K=args.K, p=args.p, seed=args.seed,
                   max_seq_len=args.max_seq_len, batch_size=args.batch_size,
                   dedupe=not args.no_dedupe)
+    # The folder first (a hub name is downloaded here): a path or a hub name that cannot be had
+    # is one line naming it, not the tokenizer loader's retries and traceback (offline: ~1 min).
+    flag = "--mlm" if args.mode == "mlm" or not args.encoder else "--encoder"
+    model = _resolve(flag, args.mlm if flag == "--mlm" else args.encoder)
+    tok = load_tokenizer(_resolve("--tokenizer", args.tokenizer) if args.tokenizer else model)
     if args.mode == "mlm":
-        tok = load_tokenizer(args.tokenizer or args.mlm)
-        config, params = hf.load_pretrained(args.mlm, mlm_head=True)
+        config, params = hf.load_pretrained(model, mlm_head=True)
         aug = Augmenter(tok, BertForMaskedLM(config), params, **common)
     else:
-        model = args.encoder or args.mlm
-        tok = load_tokenizer(args.tokenizer or model)
         _, params = hf.load_pretrained(model, for_classification=False)
         emb = hf.bert_params(params)["embeddings"]["word_embeddings"]["embedding"]
         aug = Augmenter(tok, mode="embedding", word_embeddings=emb, **common)
@@ -433,4 +448,4 @@ def _main(argv=None):
 
 
 if __name__ == "__main__":
-    _main()
+    sys.exit(tool_exit(_main))
