@@ -187,6 +187,7 @@ def _write_folder(out_dir: str, cfg: dict, tree: dict, torch_state: dict,
 
 if __name__ == "__main__":
     # The command predates run_export; it still works.
+    from jax_tinybert.errors import tool_exit
     from jax_tinybert.run_export import main
 
-    sys.exit(main())
+    sys.exit(tool_exit(main))

@@ -34,8 +34,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jax_tinybert import build, config_base
+from jax_tinybert import build, config_base, objectives
 from jax_tinybert.checkpoints import state_bytes
+from jax_tinybert.config_check import DTYPES
+from jax_tinybert.errors import tool_exit
 from jax_tinybert import sharding as shd
 from jax_tinybert import work
 from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params
@@ -239,8 +241,8 @@ def main(argv=None) -> int:
                    help="dp | fsdp | data=D,fsdp=F,model=M (one axis may be -1)")
     p.add_argument("--grad_accum", type=int, default=1)
     p.add_argument("--fsdp_min_size", type=int, default=16384)
-    p.add_argument("--teacher_dtype", default="float32")
-    p.add_argument("--student_dtype", default="float32")
+    p.add_argument("--teacher_dtype", default="float32", choices=DTYPES)
+    p.add_argument("--student_dtype", default="float32", choices=DTYPES)
     p.add_argument("--remat", action="store_true")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="the chip's peak TFLOP/s (e.g. 197 for a TPU v5e bf16, 989 H100 bf16 dense)")
@@ -249,6 +251,23 @@ def main(argv=None) -> int:
                    help="cpu (simulated devices, default) or 'default' (the real local backend)")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
+    # The arguments' mistakes before anything compiles: one line each (argparse's status 2).
+    for flag in ("teacher", "student"):
+        if getattr(args, flag) not in PRESETS:
+            p.error(f"--{flag} {getattr(args, flag)!r}: not a preset; use one of "
+                    f"{', '.join(PRESETS)}")
+    if args.objective not in objectives.REGISTRY:
+        p.error(f"--objective {args.objective!r}: use one of {', '.join(objectives.REGISTRY)}")
+    for m in args.mesh:
+        try:
+            spec = parse_mesh(m)
+        except ValueError as e:
+            p.error(str(e))
+        for n in args.devices:
+            try:
+                shd.mesh_shape(spec, n)
+            except ValueError as e:
+                p.error(f"--mesh {m} --devices {n}: {e}")
 
     if args.platform == "cpu":
         # Before JAX starts: enough simulated CPU devices for the largest plan.
@@ -289,4 +308,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(tool_exit(main))

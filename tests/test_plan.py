@@ -69,6 +69,19 @@ def test_plan_cli(tmp_path):
     assert len(rows) == 1 and rows[0]["devices"] == 4 and rows[0]["mesh"]["fsdp"] == 4
     r = rows[0]
     assert r["required_mfu"] == pytest.approx(r["flops_per_device"] / (0.01 * 100e12))
-    res = subprocess.run([sys.executable, "-m", "jax_tinybert.plan", "--teacher", "nope"],
-                         env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert res.returncode != 0 and "bert-base" in res.stderr
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--teacher", "nope"], "--teacher 'nope': not a preset; use one of bert-base,"),
+    (["--objective", "tinybert_foo"], "--objective 'tinybert_foo': use one of tinybert_intermediate"),
+    (["--mesh", "data=3", "--devices", "2"],
+     "--mesh data=3 --devices 2: config.mesh {'data': 3, 'fsdp': 1, 'model': 1} needs 3 devices"),
+    (["--mesh", "data=x"], "--mesh 'data=x': expected dp, fsdp or e.g. data=4,fsdp=2,model=1"),
+])
+def test_plan_cli_mistakes_are_one_line(argv, msg):
+    """Refused before anything compiles, one line, status 2 (they were tracebacks, status 1)."""
+    res = subprocess.run([sys.executable, "-m", "jax_tinybert.plan", *argv], env=_env(),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert lines[-1].startswith(f"python -m jax_tinybert.plan: error: {msg}"), lines[-1]
