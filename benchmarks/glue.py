@@ -707,6 +707,9 @@ def _model_folder_problem(path: str) -> str:
         missing.append(" or ".join(WEIGHT_FILES))
     if not any(os.path.exists(os.path.join(q, t)) for t in ("vocab.txt", "tokenizer.json")):
         missing.append("tokenizer (vocab.txt or tokenizer.json)")
+    if missing and os.path.isdir(os.path.join(q, "export")):
+        return (f"a run's workdir, not a model folder: its model is in "
+                f"{os.path.join(path.rstrip('/'), 'export')}")
     if missing:
         return f"the folder has no {' and no '.join(missing)}"
     try:

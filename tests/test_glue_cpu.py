@@ -118,11 +118,14 @@ def test_a_model_folder_missing_files_is_refused_before_any_stage(tmp_path, glue
                          "the folder has no tokenizer (vocab.txt or tokenizer.json);"),
         "bad_json": ({"config.json": '{"num_hidden_layers": 6', "model.safetensors": "",
                       "vocab.txt": "[PAD]"}, "config.json is not readable JSON"),
+        "workdir": ({"config.json": "{}", "export/config.json": "{}"},
+                    "a run's workdir, not a model folder: its model is in "),
     }
     for name, (files, msg) in cases.items():
         folder = tmp_path / name
         folder.mkdir()
         for f, text in files.items():
+            (folder / f).parent.mkdir(exist_ok=True)
             (folder / f).write_text(text)
         p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"),
                             "--budget", "small", "--tasks", "mrpc", "--glue_dir", str(glue_dir),
