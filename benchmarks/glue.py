@@ -697,16 +697,12 @@ def budget_note(args, b: dict) -> str:
 def _model_folder_problem(path: str) -> str:
     """What keeps the local folder `path` from being a model a stage can load ('' if nothing):
     the files `config_check` asks of config.teacher.path, here before any stage runs."""
-    from jax_tinybert.hf import WEIGHT_FILES
+    from jax_tinybert.config_check import missing_model_files
 
     q = os.path.expanduser(path)
     if not os.path.isdir(q):
         return "a file, not a model folder" if os.path.exists(q) else "no model folder there"
-    missing = [] if os.path.isfile(os.path.join(q, "config.json")) else ["config.json"]
-    if not any(os.path.exists(os.path.join(q, w)) for w in WEIGHT_FILES):
-        missing.append(" or ".join(WEIGHT_FILES))
-    if not any(os.path.exists(os.path.join(q, t)) for t in ("vocab.txt", "tokenizer.json")):
-        missing.append("tokenizer (vocab.txt or tokenizer.json)")
+    missing = missing_model_files(q)
     if missing and os.path.isdir(os.path.join(q, "export")):
         return (f"a run's workdir, not a model folder: its model is in "
                 f"{os.path.join(path.rstrip('/'), 'export')}")

@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import ml_collections
@@ -283,6 +283,19 @@ def _run_without_export(export_dir: str, makes: str) -> Optional[str]:
             f"<workdir>/export when it finishes: rerun that run's command to resume and finish it")
 
 
+def missing_model_files(folder: str, tokenizer: bool = True) -> List[str]:
+    """What the model folder `folder` lacks for a stage to load it, as words for a message:
+    config.json, the weights (any of hf.WEIGHT_FILES) and, if `tokenizer`, vocab.txt or
+    tokenizer.json. Empty when nothing is missing."""
+    missing = [] if os.path.exists(os.path.join(folder, "config.json")) else ["config.json"]
+    if not any(os.path.exists(os.path.join(folder, w)) for w in WEIGHT_FILES):
+        missing.append(" or ".join(WEIGHT_FILES))
+    if tokenizer and not any(os.path.exists(os.path.join(folder, t))
+                             for t in ("vocab.txt", "tokenizer.json")):
+        missing.append("tokenizer (vocab.txt or tokenizer.json)")
+    return missing
+
+
 def _model_folder(field: str, p: str, example: str,
                   makes: str = "the stage with --workdir={run}") -> Optional[str]:
     """The local folder `p` after checking it holds a model (a hub name is downloaded).
@@ -301,12 +314,7 @@ def _model_folder(field: str, p: str, example: str,
             raise PathError(f"config.{field}={p!r}: {what}: {why}")
         raise PathError(f"config.{field}={p!r}: {what}; pass a model folder holding config.json "
                         f"and model.safetensors, e.g. --config.{field}={example}")
-    missing = [] if os.path.exists(os.path.join(q, "config.json")) else ["config.json"]
-    if not any(os.path.exists(os.path.join(q, w)) for w in WEIGHT_FILES):
-        missing.append(" or ".join(WEIGHT_FILES))
-    if field == "teacher.path" and not any(os.path.exists(os.path.join(q, t))
-                                           for t in ("vocab.txt", "tokenizer.json")):
-        missing.append("tokenizer (vocab.txt or tokenizer.json)")
+    missing = missing_model_files(q, tokenizer=field == "teacher.path")
     if missing and os.path.isdir(os.path.join(q, "export")):
         export = os.path.join(p.rstrip("/"), "export")
         raise PathError(f"config.{field}={p!r} is a run's workdir, not a model folder: its model "
