@@ -50,6 +50,7 @@ SETTINGS: Dict[str, str] = {
     "xnn_graph": "--xla_cpu_use_xnnpack=true "
                  "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
     "vector512": "--xla_cpu_prefer_vector_width=512",
+    "onednn_vector512": "--xla_cpu_use_onednn=true --xla_cpu_prefer_vector_width=512",
     "fast_runtime": "--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_RUNTIME",
     "fast_compile": "--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE",
 }
