@@ -280,6 +280,8 @@ def _run_without_export(export_dir: str, makes: str) -> Optional[str]:
     ckpts = fs.join(os.path.dirname(path), "checkpoints")
     steps = sorted(int(d) for d in (fs.listdir(ckpts) if fs.isdir(ckpts) else [])
                    if d.isdigit())
+    if fs.is_remote(ckpts):   # orbax writes a step in place there, committed by this marker
+        steps = [s for s in steps if fs.exists(fs.join(ckpts, str(s), "commit_success.txt"))]
     saved = f" (last checkpoint: step {steps[-1]})" if steps else ""
     return (f"the run in {run} has not finished{saved}, and a stage writes its model to "
             f"<workdir>/export when it finishes: rerun that run's command to resume and finish it")

@@ -293,6 +293,7 @@ def test_a_model_folder_in_a_bucket(emulator, tmp_path_factory, tmp_path):
                        rf"--workdir={root}/nothing first$"):
         cc.validate_config(build.with_defaults(c))
     _put(f"{root}/half/checkpoints/6/commit_success.txt", b"")
+    _put(f"{root}/half/checkpoints/9/_CHECKPOINT_METADATA", b"{}")   # a save not committed
     c.teacher.path = f"{root}/half/export"
     with pytest.raises(PathError, match=rf"the run in {root}/half has not finished \(last "
                        r"checkpoint: step 6\), .*: rerun that run's command"):
