@@ -257,9 +257,9 @@ _LOGIT_OBJECTIVES = ("tinybert_pred", "kd", "pkd")
 
 
 def looks_local(p: str) -> bool:
-    """A path or a URL (gs://...), not a Hugging Face hub name ('org/name' or 'name')."""
-    return (p.startswith((".", "/", "~")) or p.count("/") > 1 or fs.is_remote(p)
-            or os.path.exists(p))
+    """A path or a URL (gs://..., whose '//' counts), not a Hugging Face hub name ('org/name'
+    or 'name')."""
+    return p.startswith((".", "/", "~")) or p.count("/") > 1 or os.path.exists(p)
 
 
 def _run_without_export(export_dir: str, makes: str) -> Optional[str]:
