@@ -196,6 +196,8 @@ def parse_work(line: str, work: Optional[dict]) -> Optional[dict]:
 def _common(args, task: str) -> List[str]:
     o = [f"--config.data.glue_dir={args.glue_dir}", "--config.train.num_epochs=1",
          f"--config.data.train_subset={args.train_subset}"]
+    if args.dtype != "float32":
+        o += [f"--config.student.dtype={args.dtype}", f"--config.teacher.dtype={args.dtype}"]
     return o + list(args.override)
 
 
@@ -364,7 +366,7 @@ def step_bench(args, seq: int, json_path: str) -> dict:
     cmd = [sys.executable, os.path.join(_HERE, "step_throughput.py"), "--stages",
            "finetune,intermediate,pred", "--lengths", str(seq), "--steps", str(args.step_steps),
            "--warmup", str(args.warmup), "--run_steps", str(args.step_run_steps),
-           "--json", json_path]
+           "--dtype", args.dtype, "--json", json_path]
     r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"step_throughput failed (exit {r.returncode}): {r.stderr[-3000:]}")
@@ -483,6 +485,11 @@ def render(res: dict) -> str:
     lines = [f"Machine: {m['cpu']}{fam} ({m['nproc']} cores); {alloc}"
              f"{res['date']}; command `{res['command']}`; load {res['load_start']} at the start, "
              f"{res['load_end']} at the end.", ""]
+    if res.get("dtype", "float32") != "float32":
+        lines[-1:-1] = [f"Our runs and steps compute in {res['dtype']} (on a CPU: {res['dtype']} "
+                        "products, float32 activations, params and optimizer); the official "
+                        "loop and the PyTorch references in float32 (a PyTorch step in "
+                        f"{res['dtype']} autocast is in the step columns)."]
     for task, t in res["tasks"].items():
         mm = [d["matmul_peak"] for d in t["step_bench"]]
         if mm:
@@ -606,6 +613,9 @@ def parse_args(argv=None):
                    help="workdirs and logs (each run starts from empty stage workdirs)")
     p.add_argument("--override", action="append", default=[],
                    help="extra --config.* flag for every CLI run (e.g. to compare a setting)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="our compute dtype (student and teacher, CLI runs and step benchmark); "
+                        "the references stay float32")
     p.add_argument("--json", default="", help="write every measurement here")
     p.add_argument("--render", default="", metavar="JSON", help="print the table of a --json")
     args = p.parse_args(argv)
@@ -650,7 +660,7 @@ def main(argv=None):
     _STORES.extend([store, tokens])
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["benchmarks/epoch.py"] + (argv or sys.argv[1:])),
-           "machine": machine(), "load_start": _loadavg(), "tasks": {}}
+           "machine": machine(), "load_start": _loadavg(), "dtype": args.dtype, "tasks": {}}
     print(f"# {res['machine']['cpu']} (family {res['machine']['cpu_family']} model "
           f"{res['machine']['cpu_model']}), {res['machine']['nproc']} cores; allocator "
           f"{res['machine']['allocator']}; load {res['load_start']}",

@@ -71,17 +71,30 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+def compute_dtypes(name: str, backend: Optional[str] = None) -> dict:
+    """A model's compute keyword arguments for config dtype `name` on `backend` (default:
+    JAX's): {"dtype": name}, or on a CPU for a 16-bit name {"dtype": float32, "dot_dtype":
+    name}: float32 activations and 16-bit products' operands. The CPU has no 16-bit
+    element-wise arithmetic (XLA converts around every op), while its bfloat16 products run on
+    AMX where the CPU has it (RESULTS.md, session 38). No "dot_dtype" key otherwise, so that a
+    model class from before it (benchmarks/ab_modeling.py's baseline) takes these too."""
+    dt = dtype(name)
+    if jnp.dtype(dt).itemsize == 2 and (backend or jax.default_backend()) == "cpu":
+        return {"dtype": jnp.float32, "dot_dtype": dt}
+    return {"dtype": dt}
+
+
 def student_module(config, student_config: BertConfig) -> BertForSequenceClassification:
     """The student as the config asks for it (compute dtype, remat, official head)."""
     sc = config.student
-    return BertForSequenceClassification(student_config, dtype=dtype(sc.dtype), remat=sc.remat,
-                                         head_relu=sc.head_relu)
+    return BertForSequenceClassification(student_config, **compute_dtypes(sc.dtype),
+                                         remat=sc.remat, head_relu=sc.head_relu)
 
 
 def teacher_module(config, teacher_config: BertConfig, classifier: bool):
     """The frozen teacher: with its classifier head when its checkpoint has one."""
     cls = BertForSequenceClassification if classifier else BertModel
-    return cls(teacher_config, dtype=dtype(config.teacher.dtype))
+    return cls(teacher_config, **compute_dtypes(config.teacher.dtype))
 
 
 @dataclasses.dataclass

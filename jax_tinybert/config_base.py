@@ -48,7 +48,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.teacher = ml_collections.ConfigDict(dict(
         path=PACKAGED_TEACHER,   # HF folder / hub name / "packaged"; a fine-tuned one for task stages
         # "bfloat16": bf16 compute (params, gradients and optimizer stay float32). On a GPU
-        # the step's speed setting: 1.6-2.1x TF32's on an H200 (RESULTS.md). On CPU slower.
+        # the step's speed setting: 1.6-2.1x TF32's on an H200 (RESULTS.md). On a CPU, bf16
+        # products with float32 activations (build.compute_dtypes): 1.55-1.9x faster steps
+        # with AMX, slower without.
         dtype="float32",
         dropout=False,           # True reproduces the official code (teacher left in train mode)
         cache=True,              # pred/kd/pkd stages: precompute teacher outputs once

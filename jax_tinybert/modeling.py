@@ -8,6 +8,7 @@ mask, softmax and dropout, which HF's `output_attentions` (post-softmax) cannot 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 
@@ -204,6 +205,93 @@ def query_rows(x: Array, cls_positions: Optional[Array]) -> Array:
     return jnp.take_along_axis(x, idx, axis=1)
 
 
+def is_half(dtype: Optional[Dtype]) -> bool:
+    """True for a 16-bit float compute dtype (bfloat16, float16)."""
+    return dtype is not None and jnp.dtype(dtype).itemsize == 2
+
+
+def _sum32(eq: str, a: Array, b: Array) -> Array:
+    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def half_einsum(eq: str, a: Array, b: Array, dtype: Dtype, out_dtype: Dtype) -> Array:
+    """einsum(eq, a, b) with 16-bit operands: a and b rounded to `dtype` (bfloat16 / float16),
+    the products summed in float32, the result returned in `out_dtype` (`dtype`, or float32 to
+    keep float32 activations). eq: two operands, plain letters, every letter of an operand also
+    in the other operand or the output (true of a matmul and of attention's batched products).
+
+    Why not a plain bfloat16 einsum: XLA's CPU backend has no bfloat16-output dot, so it upcasts
+    both operands and runs a float32 one, while a bfloat16 x bfloat16 -> float32 dot runs on AMX
+    (4096x384 @ 384x1536: ~1850 against ~330 GFLOP/s float32 on an Intel Xeon with AMX). On a GPU
+    the value is the same: its bfloat16 dots sum in float32 too. The gradients are the same two
+    kinds of product, taken from the cotangent rounded to `dtype`, and come back in each
+    operand's own dtype: a float32 kernel gets its gradient summed and kept in float32.
+    """
+    return _sum32(eq, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
+
+
+def _half_einsum_fwd(eq, a, b, dtype, out_dtype):
+    return half_einsum(eq, a, b, dtype, out_dtype), (a, b)
+
+
+def _half_einsum_bwd(eq, dtype, out_dtype, res, g):
+    a, b = res
+    ins, out = eq.split("->")
+    ia, ib = ins.split(",")
+    for own, other in ((ia, ib), (ib, ia)):
+        if set(own) - set(other) - set(out):
+            raise ValueError(f"half_einsum {eq!r}: a letter of {own!r} is summed within its own "
+                             "operand; its gradient is not a product of the other two")
+    g = g.astype(dtype)
+    ga = _sum32(f"{out},{ib}->{ia}", g, b.astype(dtype)).astype(a.dtype)
+    if eq == "nk,km->nm":   # a dense layer's kernel gradient: see _rows_to_columns
+        # Transposing the narrower of x [N, K] and g [N, M] moves fewer bytes.
+        if b.shape[0] <= b.shape[1]:
+            gb = _sum32("kn,nm->km", _rows_to_columns(a.astype(dtype)), g)
+        else:
+            # The product's transpose as rows too: a plain .T would be folded into the dot as
+            # a column-major output, which the library dot cannot write either.
+            gb = _rows_to_columns(_sum32("mn,nk->mk", _rows_to_columns(g), a.astype(dtype)))
+    else:
+        gb = _sum32(f"{ia},{out}->{ib}", a.astype(dtype), g)
+    return ga, gb.astype(b.dtype)
+
+
+def _rows_to_columns(x: Array) -> Array:
+    """x [N, K] -> x.T [K, N], as an array in row-major order.
+
+    XLA's CPU backend gives a plain transpose a column-major layout instead of moving data, and
+    its library dot (YNNPACK) takes row-major operands only, so a bfloat16 kernel gradient
+    x.T @ g was upcast to a float32 Eigen dot (~270 against ~860 GFLOP/s for [4096, 384] x
+    [4096, 1536] on an Intel Xeon with AMX, transpose included). Going through 3-D
+    ([N/d, d, K] -> [K, N/d, d]) makes XLA write the transposed rows."""
+    n, k = x.shape
+    d = next(d for d in (8, 4, 2, 1) if n % d == 0)
+    return x.reshape(n // d, d, k).transpose(2, 0, 1).reshape(k, n)
+
+
+half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
+
+
+def rows_product(x: Array, kernel: Array, dtype: Dtype, bias: Optional[Array] = None,
+                 dot_dtype: Optional[Dtype] = None) -> Array:
+    """x [..., in] @ kernel [in, out] (+ bias [out]) -> [..., out] in `dtype`, as one 2-D
+    product on the rows. A 16-bit `dot_dtype` goes through half_einsum (the kernel may stay
+    float32: its gradient then does too); otherwise matmul_rows in `dtype`."""
+    dots = dot_dtype
+    if not is_half(dots):
+        y = matmul_rows(x, kernel.astype(dtype))
+        return y if bias is None else y + bias.astype(dtype)
+    y = half_einsum("nk,km->nm", x.reshape((-1, x.shape[-1])), kernel, dots, dtype)
+    if bias is not None:
+        # Added to the 2-D rows: its gradient is then a sum over one axis, which XLA's CPU
+        # backend fuses; over [B, T] of a bfloat16 cotangent it became a convert and a
+        # reduce-window, ~25% of a fine-tuning step.
+        y = y + bias.astype(dtype)
+    return y.reshape(x.shape[:-1] + (kernel.shape[1],))
+
+
 class _FlatDense(nn.Dense):
     """nn.Dense (same params, init and values) applied to [..., in] as one 2-D product
     [N, in] x [in, out]. XLA's CPU backend turns the weight gradient of a 3-D `dot_general`
@@ -219,15 +307,55 @@ class _FlatDense(nn.Dense):
         return y.reshape(lead + (self.features,))
 
 
+class _HalfDense(nn.Module):
+    """nn.Dense's params (names, shapes, initialisers) with 16-bit products: x [..., in] ->
+    [..., features] in `dtype`, by half_einsum of operands in `dot_dtype` on the rows."""
+
+    features: int
+    kernel_init: Any
+    dtype: Dtype
+    dot_dtype: Dtype
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs):
+        kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features),
+                            self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+        return rows_product(inputs, kernel, self.dtype, bias, self.dot_dtype)
+
+
 class _BertModule(nn.Module):
-    """What every BERT sub-module shares: its config, compute dtype and parameter dtype, and
-    the Dense / LayerNorm layers built from them (HF's init and epsilon)."""
+    """What every BERT sub-module shares: its config, compute dtype, parameter dtype and
+    product dtype, and the Dense / LayerNorm layers built from them (HF's init and epsilon).
+
+    `dot_dtype` (None: plain products in `dtype`) runs the dense and attention products
+    through half_einsum with operands in that 16-bit dtype. bfloat16 products with float32
+    activations (dtype float32, dot_dtype bfloat16; build.compute_dtypes) is the fast 16-bit
+    setting on a CPU: its products run on AMX, while its element-wise work, which has no
+    bfloat16 arithmetic there, stays in float32 instead of converting at every op. A GPU or TPU
+    keeps dtype bfloat16 with plain products (their libraries take any layout).
+    """
 
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    dot_dtype: Optional[Dtype] = None
 
-    def _dense(self, features: int, name: str) -> nn.Dense:
+    @property
+    def _dots(self) -> Optional[Dtype]:
+        """The products' 16-bit operand dtype, or None for plain products in `dtype`."""
+        return self.dot_dtype if is_half(self.dot_dtype) else None
+
+    def _shared(self) -> dict:
+        """The fields a sub-module inherits from its parent."""
+        return dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype,
+                    dot_dtype=self.dot_dtype)
+
+    def _dense(self, features: int, name: str) -> nn.Module:
+        if self._dots is not None:
+            return _HalfDense(features, _dense_init(self.config), self.dtype, self._dots,
+                              self.param_dtype, name=name)
         return _FlatDense(features, kernel_init=_dense_init(self.config), dtype=self.dtype,
                           param_dtype=self.param_dtype, name=name)
 
@@ -289,8 +417,8 @@ class BertSelfAttention(_BertModule):
         # the backward's input gradient is one product too. The params stay HF's three Dense
         # layers (query/key/value kernel [D, D] + bias); stacking them on a middle axis keeps a
         # "model"-axis sharding of their output dim (sharding.py) a sharding of the stack.
-        kernels, biases = zip(*(_DenseParams(c, self.dtype, self.param_dtype, features=c.hidden_size,
-                                             name=n)(D) for n in ("query", "key", "value")))
+        kernels, biases = zip(*(_DenseParams(**self._shared(), features=c.hidden_size, name=n)(D)
+                                for n in ("query", "key", "value")))
         # Heads before tokens ([B, H, T, d]): the batched attention products then run 1.5-2x
         # faster on CPU (the forward's; the backward's are as fast either way), at the price of
         # transposed copies of q, k, v and the context ([B, T, D] each).
@@ -298,17 +426,24 @@ class BertSelfAttention(_BertModule):
         # cls_only: keys and values still come from every row, the query from [CLS] only, so
         # the stacked product is of the key and value kernels alone.
         every_row = slice(1 if cls_only else 0, 3)
-        h, kernel, bias = nn.dtypes.promote_dtype(h, jnp.stack(kernels[every_row], axis=1),
-                                                  jnp.stack(biases[every_row]), dtype=self.dtype)
+        # The kernels stay in their dtype: rows_product casts them (see half_einsum).
+        h, bias = nn.dtypes.promote_dtype(h, jnp.stack(biases[every_row]), dtype=self.dtype)
+        kernel = jnp.stack(kernels[every_row], axis=1)
         n = kernel.shape[1]
         # As one 2-D product (see _FlatDense): [B*T, D] x [D, n*D]. Keeping the kernel's
         # middle axis ([B*T, D] x [D, n, D]) was 1-6% slower on CPU; under a "model" mesh
         # axis the reshape costs a reshard of this layer's [D, n*D] kernel per step.
-        proj = matmul_rows(h, kernel.reshape(D, n * D)).reshape(B, T, n, D) + bias
+        dots = self._dots
+        if dots is not None:   # the bias on the 2-D rows: see rows_product
+            proj = rows_product(h, kernel.reshape(D, n * D), self.dtype, bias.reshape(n * D),
+                                dots).reshape(B, T, n, D)
+        else:
+            proj = rows_product(h, kernel.reshape(D, n * D), self.dtype).reshape(B, T, n, D) + bias
         heads = [split(proj[:, :, i]) for i in range(n)]
         if cls_only:
-            wq, bq = nn.dtypes.promote_dtype(kernels[0], biases[0], dtype=self.dtype)
-            q, (k, v) = split(matmul_rows(query_rows(h, cls_positions), wq) + bq), heads
+            bq = biases[0].astype(self.dtype)
+            q = rows_product(query_rows(h, cls_positions), kernels[0], self.dtype, bq, dots)
+            q, (k, v) = split(q), heads
             if mask_bias.shape[2] > 1:   # a per-query mask: the queries' rows of it
                 mask_bias = jnp.swapaxes(query_rows(jnp.swapaxes(mask_bias, 1, 2),
                                                     cls_positions), 1, 2)
@@ -316,12 +451,15 @@ class BertSelfAttention(_BertModule):
             q, k, v = heads
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+        dtype = self.dtype
+        product = ((lambda eq, a, b: half_einsum(eq, a, b, dots, dtype)) if dots is not None
+                   else jnp.einsum)
+        logits = product("bhqd,bhkd->bhqk", q, k)
         # Softmax in float32 even under bf16 compute: the -1e9 style mask and exp need the range.
         probs = jax.nn.softmax(logits.astype(jnp.float32) + mask_bias, axis=-1)
         if not deterministic and c.attention_probs_dropout_prob > 0:
             probs = Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
-        ctx = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
+        ctx = product("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
         return ctx.transpose(0, 2, 1, 3).reshape(B, q.shape[2], c.hidden_size), logits
 
 
@@ -350,9 +488,9 @@ class BertAttention(_BertModule):
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
                  cls_positions: Optional[Array] = None):
-        ctx, logits = BertSelfAttention(self.config, self.dtype, self.param_dtype, name="self")(
+        ctx, logits = BertSelfAttention(**self._shared(), name="self")(
             h, mask_bias, deterministic, cls_only, cls_positions)
-        out = BertSelfOutput(self.config, self.dtype, self.param_dtype, name="output")(
+        out = BertSelfOutput(**self._shared(), name="output")(
             ctx, query_rows(h, cls_positions) if cls_only else h, deterministic)
         return out, logits
 
@@ -366,12 +504,11 @@ class BertLayer(_BertModule):
         """h [B, T, D] -> (h' [B, Q, D], attention logits [B, H, Q, T]); Q = T, or with
         `cls_only` 1 (the [CLS] row's output, which needs every row's keys and values only) or
         S (the rows at cls_positions [B, S]: each packed segment's [CLS])."""
-        c = self.config
-        a, logits = BertAttention(c, self.dtype, self.param_dtype, name="attention")(
+        a, logits = BertAttention(**self._shared(), name="attention")(
             h, mask_bias, deterministic, cls_only, cls_positions)
         # Names as HF: intermediate/dense, then output/dense + output/LayerNorm.
-        inter = _Intermediate(c, self.dtype, self.param_dtype, name="intermediate")(a)
-        out = BertFFNOutput(c, self.dtype, self.param_dtype, name="output")(
+        inter = _Intermediate(**self._shared(), name="intermediate")(a)
+        out = BertFFNOutput(**self._shared(), name="output")(
             inter, a, deterministic)
         return out, logits
 
@@ -415,7 +552,7 @@ class BertLayerCollection(_BertModule):
         hidden, logits = [h], []
         n = self.config.num_hidden_layers
         for i in range(n):
-            h, lg = cls(self.config, self.dtype, self.param_dtype, name=str(i))(
+            h, lg = cls(**self._shared(), name=str(i))(
                 h, mask_bias, deterministic, cls_only and i == n - 1, cls_positions)
             hidden.append(h)
             # Unrequested logits are dropped here; under jit XLA never materialises them.
@@ -431,7 +568,7 @@ class BertEncoder(_BertModule):
     @nn.compact
     def __call__(self, h, mask_bias, deterministic=True, attention_layers=frozenset(),
                  cls_only=False, cls_positions=None):
-        return BertLayerCollection(self.config, self.dtype, self.param_dtype, self.remat,
+        return BertLayerCollection(**self._shared(), remat=self.remat,
                                    name="layer")(h, mask_bias, deterministic, attention_layers,
                                                  cls_only, cls_positions)
 
@@ -477,7 +614,7 @@ class BertModel(_BertModule):
         attention_mask, token_type_ids = _default_inputs(input_ids, attention_mask, token_type_ids)
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
-        h = BertEmbeddings(self.config, self.dtype, self.param_dtype, name="embeddings")(
+        h = BertEmbeddings(**self._shared(), name="embeddings")(
             input_ids, token_type_ids, position_ids, deterministic)
         # Same additive mask value as HF Flax (finfo.min); logits are returned before it.
         # [B, T] keys -> [B, 1, 1, T]; [B, T, T] query x key (packed rows) -> [B, 1, T, T].
@@ -490,7 +627,7 @@ class BertModel(_BertModule):
             raise ValueError(f"cls_only=True computes layer {n}'s [CLS] row only, so it has no "
                              f"[T, T] attention logits: ask for layers 1..{n - 1} only "
                              "(attention_logits=False or a list), or drop cls_only")
-        hidden, logits = BertEncoder(self.config, self.dtype, self.param_dtype, self.remat,
+        hidden, logits = BertEncoder(**self._shared(), remat=self.remat,
                                      name="encoder")(h, mask_bias, deterministic, sel, cls_only,
                                                      cls_positions)
         pooled = None
@@ -500,7 +637,7 @@ class BertModel(_BertModule):
                 rows = last[:, 0]
             else:   # a cls_only last layer computed the [CLS] rows alone
                 rows = last if cls_only else query_rows(last, cls_positions)
-            pooled = BertPooler(self.config, self.dtype, self.param_dtype, name="pooler")(rows)
+            pooled = BertPooler(**self._shared(), name="pooler")(rows)
         return BertOutput(hidden_states=hidden, attention_logits=logits, pooled=pooled)
 
 
@@ -518,7 +655,7 @@ class BertForSequenceClassification(_BertModule):
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                  deterministic: bool = True, attention_logits: LayerSelection = True,
                  cls_only: bool = False, cls_positions=None):
-        out = BertModel(self.config, self.dtype, self.param_dtype, True, self.remat, name="bert")(
+        out = BertModel(**self._shared(), add_pooling_layer=True, remat=self.remat, name="bert")(
             input_ids, attention_mask, token_type_ids, position_ids, deterministic,
             attention_logits, cls_only, cls_positions)
         x = out.pooled
@@ -539,11 +676,10 @@ class BertForMaskedLM(_BertModule):
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                  deterministic: bool = True, attention_logits: LayerSelection = False):
-        c = self.config
-        out = BertModel(c, self.dtype, self.param_dtype, False, name="bert")(
+        out = BertModel(**self._shared(), add_pooling_layer=False, name="bert")(
             input_ids, attention_mask, token_type_ids, position_ids, deterministic,
             attention_logits)
-        logits = _MLMHead(c, self.dtype, self.param_dtype, name="cls")(
+        logits = _MLMHead(**self._shared(), name="cls")(
             out.hidden_states[-1],
             self.variables["params"]["bert"]["embeddings"]["word_embeddings"]["embedding"])
         return out.replace(logits=logits)
@@ -554,7 +690,7 @@ class _MLMHead(_BertModule):
 
     @nn.compact
     def __call__(self, h, embedding):
-        return _MLMPredictions(self.config, self.dtype, self.param_dtype, name="predictions")(
+        return _MLMPredictions(**self._shared(), name="predictions")(
             h, embedding)
 
 
@@ -564,7 +700,7 @@ class _MLMPredictions(_BertModule):
     @nn.compact
     def __call__(self, h, embedding):
         c = self.config
-        t = _MLMTransform(c, self.dtype, self.param_dtype, name="transform")(h)
+        t = _MLMTransform(**self._shared(), name="transform")(h)
         bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,), self.param_dtype)
         return (t @ embedding.T.astype(t.dtype) + bias).astype(jnp.float32)
 

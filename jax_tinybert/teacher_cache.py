@@ -557,6 +557,16 @@ def token_cache_bytes(obj, seq_lens: np.ndarray, dtype: str = "float16") -> int:
     return int(np.dtype(dtype).itemsize * np.sum(ka * T * T + kh * T))
 
 
+def teacher_model_id(teacher) -> str:
+    """The teacher module's part of a cache fingerprint: its class and compute dtypes."""
+    out = f"{type(teacher).__name__}:{getattr(teacher, 'dtype', None)}"
+    # Products in another dtype than the activations give other outputs. Named only then, so
+    # that the fingerprints of caches built before dot_dtype existed still match.
+    if getattr(teacher, "dot_dtype", None) is not None:
+        out += f":dots={teacher.dot_dtype}"
+    return out
+
+
 def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: int = 64,
                        num_steps: Optional[int] = None,
                        token_dtype: Optional[str] = None, store=None) -> TeacherCache:
@@ -581,8 +591,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         # build.Models hashes its teacher once a run; other `models` (tests) are hashed here.
         "teacher": (getattr(models, "teacher_fingerprint", None)
                     or params_fingerprint(models.teacher_params)),
-        "teacher_model": f"{type(models.teacher).__name__}:"
-                         f"{getattr(models.teacher, 'dtype', None)}",
+        "teacher_model": teacher_model_id(models.teacher),
         "teacher_config": models.teacher_config.to_dict(),
         "data": dataset_fingerprint(ds),
         "tokenizer": tokenize.tokenizer_fingerprint(tok),

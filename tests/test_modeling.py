@@ -1,6 +1,7 @@
 """The Flax BERT against PyTorch `transformers` and HF Flax, on the real packaged teacher."""
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -424,3 +425,134 @@ def test_cls_only_refuses_the_last_layers_attention_logits(teacher, batch):
     out = jtb.BertModel(config).apply({"params": params}, **batch, cls_only=True,
                                       attention_logits=[5])
     assert out.attention_logits[4].shape[-2:] == (batch["input_ids"].shape[1],) * 2
+
+
+def _bf16(x) -> np.ndarray:
+    """x rounded to bfloat16 (ml_dtypes: round to nearest even), as float64."""
+    import ml_dtypes
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+@pytest.mark.parametrize("eq,shape_a,shape_b", [
+    ("nk,km->nm", (48, 40), (40, 24)),                      # a dense layer on rows
+    ("bhqd,bhkd->bhqk", (2, 3, 8, 16), (2, 3, 8, 16)),      # attention scores
+    ("bhqk,bhkd->bhqd", (2, 3, 8, 8), (2, 3, 8, 16)),       # attention context
+])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_half_einsum_matches_numpy(eq, shape_a, shape_b, out_dtype):
+    """half_einsum against NumPy in float64 from the definition: operands rounded to bfloat16,
+    exact sums, the result in `out_dtype`; the gradients are the products of the bfloat16
+    cotangent with the other rounded operand, returned in each operand's dtype. The second
+    operand is float32 (a kernel): its gradient must not be rounded to 16 bits."""
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    a = jax.random.normal(ks[0], shape_a).astype(jnp.bfloat16)
+    b = jax.random.normal(ks[1], shape_b)
+    out = jtb.modeling.half_einsum(eq, a, b, jnp.bfloat16, out_dtype)
+    assert out.dtype == out_dtype
+    ref = np.einsum(eq, _bf16(a), _bf16(b))
+    rtol = 2.0 ** -8 if out_dtype == jnp.bfloat16 else 1e-5   # one bfloat16 rounding, or none
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=rtol,
+                               atol=rtol * np.abs(ref).max())
+
+    w = jax.random.normal(ks[2], out.shape)
+    ga, gb = jax.grad(lambda a, b: jnp.sum(
+        jtb.modeling.half_einsum(eq, a, b, jnp.bfloat16, out_dtype).astype(jnp.float32) * w),
+        argnums=(0, 1))(a, b)
+    assert ga.dtype == jnp.bfloat16 and gb.dtype == jnp.float32
+    ins, o = eq.split("->")
+    ia, ib = ins.split(",")
+    g = _bf16(np.asarray(w.astype(out_dtype), np.float32))
+    ref_ga = np.einsum(f"{o},{ib}->{ia}", g, _bf16(b))
+    ref_gb = np.einsum(f"{ia},{o}->{ib}", _bf16(a), g)
+    np.testing.assert_allclose(np.asarray(ga, np.float64), ref_ga, rtol=2.0 ** -8,
+                               atol=2.0 ** -8 * np.abs(ref_ga).max())
+    # float32 sums of exact products: ~1e-6 relative; a bfloat16-rounded gradient is ~4e-3 off.
+    np.testing.assert_allclose(np.asarray(gb, np.float64), ref_gb, rtol=1e-5,
+                               atol=1e-5 * np.abs(ref_gb).max())
+
+
+def test_cpu_bfloat16_runs_bfloat16_products_with_float32_activations(teacher, batch):
+    """On a CPU, a bfloat16 config gives the model float32 activations and bfloat16 products
+    (build.compute_dtypes): every 2-D product of the compiled forward and backward takes
+    bfloat16 operands (XLA's CPU backend upcasts a bfloat16-output dot to float32, which lost
+    AMX: the first version of bfloat16 compute ran slower than float32), and the outputs and
+    gradients stay within bfloat16's rounding of the float32 model's."""
+    from jax_tinybert import build
+    config, params = teacher
+    assert build.compute_dtypes("bfloat16", "cpu") == {"dtype": jnp.float32,
+                                                       "dot_dtype": jnp.bfloat16}
+    assert build.compute_dtypes("bfloat16", "gpu") == {"dtype": jnp.bfloat16}
+    assert build.compute_dtypes("float32", "cpu") == {"dtype": jnp.float32}
+    m32 = jtb.BertForSequenceClassification(config)
+    m16 = m32.clone(**build.compute_dtypes("bfloat16", "cpu"))
+    p = m32.init(jax.random.PRNGKey(0), batch["input_ids"])["params"] | {"bert": params}
+    # 8 copies of the batch: rows enough that XLA runs every layer's product as a library dot
+    # (it emits tiny ones itself, in float32, whatever the operands).
+    big = {k: np.tile(v, (8, 1)) for k, v in batch.items()}
+
+    def loss(model, p):
+        out = model.apply({"params": p}, **big)
+        return jnp.sum(out.logits ** 2) + jnp.sum(out.hidden_states[-1] ** 2) * 1e-3, out
+
+    grad16 = jax.jit(jax.grad(lambda p: loss(m16, p), has_aux=True))
+    hlo = grad16.lower(p).compile().as_text()
+    # Instruction names are unique in an HLO module; operands are named, typed where defined.
+    defs = {n: (t, [int(x) for x in d.split(",") if x])
+            for n, t, d in re.findall(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]", hlo)}
+    dots = [(defs[a], defs[b]) for a, b in
+            re.findall(r"= \w+\[\d+,\d+\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
+    # The classifier's (2 labels) is left to XLA, too small for the library dot.
+    dots = [d for d in dots if min(d[0][1] + d[1][1]) >= 8]
+    # 6 layers x 4 dense products (the attention's 3 are one) x forward and 2 gradients.
+    assert len(dots) >= 6 * 4 * 3, len(dots)
+    not_bf16 = [d for d in dots if (d[0][0], d[1][0]) != ("bf16", "bf16")]
+    assert not not_bf16, not_bf16[:3]
+
+    g32, o32 = jax.grad(lambda p: loss(m32, p), has_aux=True)(p)
+    g16, o16 = grad16(p)
+    assert o16.hidden_states[-1].dtype == jnp.float32
+    h32, h16 = np.asarray(o32.hidden_states[-1]), np.asarray(o16.hidden_states[-1])
+    assert np.linalg.norm(h16 - h32) / np.linalg.norm(h32) < 0.02
+    for k32, k16 in zip(jax.tree_util.tree_leaves(g32), jax.tree_util.tree_leaves(g16)):
+        assert k16.dtype == jnp.float32
+        n = np.linalg.norm(np.asarray(k32))
+        if n > 1e-3:
+            assert np.linalg.norm(np.asarray(k16) - np.asarray(k32)) / n < 0.1
+
+
+def test_teacher_cache_fingerprint_names_the_product_dtype(teacher):
+    """A teacher whose products run in bfloat16 gives other outputs: its cache fingerprint
+    differs, while a float32 teacher's is the one caches were built under before dot_dtype."""
+    from jax_tinybert import teacher_cache
+    config, _ = teacher
+    m = jtb.BertModel(config)
+    assert teacher_cache.teacher_model_id(m) == f"BertModel:{jnp.float32}"
+    assert teacher_cache.teacher_model_id(m.clone(dot_dtype=jnp.bfloat16)) == \
+        f"BertModel:{jnp.float32}:dots={jnp.bfloat16}"
+
+
+@pytest.mark.parametrize("B,T", [(1, 8), (3, 13), (32, 16), (8, 64)])
+def test_cpu_bfloat16_step_runs_at_odd_shapes(B, T):
+    """A bfloat16 forward and backward compiles and runs at shapes a run meets (one example,
+    odd lengths, short and long buckets), and its gradients match the float32 model's: XLA's
+    CPU backend fails at run time ("Unsupported element type for DotThunk::Execute: BF16 x
+    BF16 = F32") on a bfloat16 product it first planned for the library dot and then gave a
+    layout the library cannot take."""
+    from jax_tinybert import build
+    cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=256,
+                         num_attention_heads=4, vocab_size=100, num_labels=3)
+    m32 = jtb.BertForSequenceClassification(cfg)
+    m16 = m32.clone(**build.compute_dtypes("bfloat16", "cpu"))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (B, T), 1, 100)
+    mask = jnp.ones((B, T), jnp.int32).at[0, T // 2:].set(0)
+    p = m32.init(jax.random.PRNGKey(0), ids)["params"]
+
+    def grads(model):
+        return jax.jit(jax.grad(lambda p: jnp.sum(model.apply(
+            {"params": p}, ids, mask, deterministic=True).logits ** 2)))(p)
+
+    g32, g16 = grads(m32), grads(m16)
+    for k32, k16 in zip(jax.tree_util.tree_leaves(g32), jax.tree_util.tree_leaves(g16)):
+        n = np.linalg.norm(np.asarray(k32))
+        if n > 1e-4:
+            assert np.linalg.norm(np.asarray(k16) - np.asarray(k32)) / n < 0.1

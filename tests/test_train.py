@@ -328,19 +328,30 @@ def test_step_eta_reads_the_last_intervals():
     assert got == pytest.approx(3.0 * (1000 - 200))
 
 
-def test_dtype_hint_names_the_faster_setting():
-    """The start-up note: float32 on a GPU points to bfloat16, bfloat16 on a CPU to float32;
-    the default on a CPU and bfloat16 on a GPU (or anything on a TPU) print nothing."""
+def test_dtype_hint_names_the_faster_setting(tmp_path):
+    """The start-up note: float32 on a GPU, or on a CPU with AMX, points to bfloat16; bfloat16
+    on a CPU without AMX to float32; the faster setting (or anything on a TPU) prints nothing."""
     gpu = train.dtype_hint("gpu", ["float32", "bfloat16"])
     assert gpu.startswith("note: float32 compute on a GPU") and \
         "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in gpu
-    cpu = train.dtype_hint("cpu", ["float32", "bfloat16"])
-    assert cpu.startswith("note: bfloat16 compute on a CPU") and \
+    cpu = train.dtype_hint("cpu", ["float32", "bfloat16"], amx=False)
+    assert cpu.startswith("note: bfloat16 compute on a CPU without AMX") and \
         "--config.student.dtype=float32 --config.teacher.dtype=float32" in cpu
-    assert train.dtype_hint("cpu", ["float32", "float32"]) is None
+    amx = train.dtype_hint("cpu", ["float32", "float32"], amx=True)
+    assert amx.startswith("note: this CPU has AMX") and \
+        "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in amx
+    assert train.dtype_hint("cpu", ["bfloat16", "bfloat16"], amx=True) is None
+    assert train.dtype_hint("cpu", ["float32", "float32"], amx=False) is None
     assert train.dtype_hint("gpu", ["bfloat16", "bfloat16"]) is None
     assert train.dtype_hint("gpu", ["bfloat16"]) is None   # fine-tuning: no teacher
     assert train.dtype_hint("tpu", ["float32", "float32"]) is None
+    # The flag as Linux lists it, among others; a missing file reads as no AMX.
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    assert train.cpu_has_amx(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert not train.cpu_has_amx(str(info))
+    assert not train.cpu_has_amx(str(tmp_path / "missing"))
 
 
 def test_a_large_train_set_is_fingerprinted_from_runs_of_its_tokens(monkeypatch):
