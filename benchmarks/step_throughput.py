@@ -57,6 +57,7 @@ if __name__ == "__main__" and "--smoke" in sys.argv[1:] and \
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -350,14 +351,27 @@ def time_torch(case: Case, host_batch, warmup: int, steps: int,
     return out
 
 
-def matmul_peak(n: int = 2048, reps: int = 10, torch_device: str = "cpu") -> dict:
+def matmul_peak(n: int = 2048, reps: int = 10, torch_device: str = "cpu",
+                dtype: str = "float32") -> dict:
     """Median FLOP/s of a jitted fp32 n x n x n matmul (JAX), and the same in torch. On an
-    accelerator also float32 at HIGHEST precision and bfloat16 (see `accelerator_matmuls`)."""
+    accelerator also float32 at HIGHEST precision and bfloat16 (see `accelerator_matmuls`); on a
+    CPU with `dtype` "bfloat16" also bfloat16 x bfloat16 -> float32 ("bf16_jax_flop_s",
+    "bf16_torch_flop_s": AMX where the CPU has it)."""
     if on_accelerator():
         return accelerator_matmuls(n, reps, torch_device)
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.matmul)
+    out = _cpu_matmul_peak(n, reps)
+    if dtype == "bfloat16":
+        bf = _cpu_matmul_peak(n, reps, jnp.bfloat16)
+        out.update({f"bf16_{k}": v for k, v in bf.items() if k.endswith("flop_s")})
+    return out
+
+
+def _cpu_matmul_peak(n: int, reps: int, dtype=jnp.float32) -> dict:
+    """matmul_peak on a CPU, operands in `dtype`, sums and result in float32."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+    # A bfloat16-output dot is upcast to float32 by XLA's CPU backend (modeling.half_einsum).
+    f = jax.jit(functools.partial(jnp.matmul, preferred_element_type=jnp.float32))
     jax.block_until_ready(f(a, b))
     ts, cs = [], []
     for _ in range(reps + 2):
@@ -371,7 +385,8 @@ def matmul_peak(n: int = 2048, reps: int = 10, torch_device: str = "cpu") -> dic
     try:
         import torch
 
-        ta, tb = torch.randn(n, n), torch.randn(n, n)
+        tdt = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
+        ta, tb = torch.randn(n, n, dtype=tdt), torch.randn(n, n, dtype=tdt)
         ts = []
         for _ in range(reps + 2):
             t0 = time.perf_counter()
@@ -621,7 +636,9 @@ def _peak_for(case_dtype: str, peak: dict, nominal: Optional[dict],
     float32 steps: the default-precision matmul and the nominal peak of what its dots ran as
     (TF32 or full float32, from the measured error); "highest" precision: full float32."""
     v = peak.get("variants")
-    if not v:  # CPU: one fp32 matmul
+    if not v:  # CPU: the fp32 matmul, and the bf16 one when measured
+        if case_dtype == "bfloat16" and "bf16_jax_flop_s" in peak:
+            return peak["bf16_jax_flop_s"], None
         return peak["jax_flop_s"], None
     if case_dtype == "bfloat16":
         key, mode = "bfloat16", "bfloat16"
@@ -664,7 +681,7 @@ def run(args) -> dict:
     print(f"# machine: {info['nproc']} x {info['cpu']}; jax {info['jax']} "
           f"({info['backend']}: {info['device_kind']}), torch {info.get('torch')} on "
           f"{torch_device}, threads torch={info.get('torch_threads')}", flush=True)
-    peak = matmul_peak(args.matmul_n, torch_device=torch_device)
+    peak = matmul_peak(args.matmul_n, torch_device=torch_device, dtype=args.dtype)
     nominal = nominal_peaks(info["device_kind"]) if accel else None
     if accel:
         print(f"# {_fmt_matmuls(peak)}", flush=True)
