@@ -274,6 +274,16 @@ def _rows_to_columns(x: Array) -> Array:
 half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
 
 
+def _heads_first(x: Array, heads: int) -> Array:
+    """x [B, T, H*d] -> [B, H, T, d] as an array in row-major order (see _rows_to_columns): a
+    plain transpose is a layout, {3,1,2,0}, and the library dot takes no 16-bit operand in it.
+    T is split in two on the way, which makes XLA write the rows."""
+    B, T, D = x.shape
+    e = next(e for e in (8, 4, 2, 1) if T % e == 0)
+    y = x.reshape(B, T // e, e, heads, D // heads).transpose(0, 3, 1, 2, 4)
+    return y.reshape(B, heads, T, D // heads)
+
+
 def rows_product(x: Array, kernel: Array, dtype: Dtype, bias: Optional[Array] = None,
                  dot_dtype: Optional[Dtype] = None) -> Array:
     """x [..., in] @ kernel [in, out] (+ bias [out]) -> [..., out] in `dtype`, as one 2-D
@@ -423,6 +433,8 @@ class BertSelfAttention(_BertModule):
         # faster on CPU (the forward's; the backward's are as fast either way), at the price of
         # transposed copies of q, k, v and the context ([B, T, D] each).
         split = lambda x: x.reshape(B, -1, c.num_attention_heads, c.head_dim).transpose(0, 2, 1, 3)
+        if self._dots is not None:
+            split = lambda x: _heads_first(x, c.num_attention_heads)  # noqa: E731
         # cls_only: keys and values still come from every row, the query from [CLS] only, so
         # the stacked product is of the key and value kernels alone.
         every_row = slice(1 if cls_only else 0, 3)
