@@ -317,24 +317,6 @@ class _FlatDense(nn.Dense):
         return y.reshape(lead + (self.features,))
 
 
-class _HalfDense(nn.Module):
-    """nn.Dense's params (names, shapes, initialisers) with 16-bit products: x [..., in] ->
-    [..., features] in `dtype`, by half_einsum of operands in `dot_dtype` on the rows."""
-
-    features: int
-    kernel_init: Any
-    dtype: Dtype
-    dot_dtype: Dtype
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, inputs):
-        kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features),
-                            self.param_dtype)
-        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
-        return rows_product(inputs, kernel, self.dtype, bias, self.dot_dtype)
-
-
 class _BertModule(nn.Module):
     """What every BERT sub-module shares: its config, compute dtype, parameter dtype and
     product dtype, and the Dense / LayerNorm layers built from them (HF's init and epsilon).
@@ -362,10 +344,16 @@ class _BertModule(nn.Module):
         return dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype,
                     dot_dtype=self.dot_dtype)
 
-    def _dense(self, features: int, name: str) -> nn.Module:
+    def _dense(self, features: int, name: str):
+        """x [..., in] -> [..., features], an `nn.Dense` named `name` (HF's params): through
+        rows_product with 16-bit products, else _FlatDense."""
         if self._dots is not None:
-            return _HalfDense(features, _dense_init(self.config), self.dtype, self._dots,
-                              self.param_dtype, name=name)
+            params = _DenseParams(**self._shared(), features=features, name=name)
+
+            def dense(x):
+                kernel, bias = params(x.shape[-1])
+                return rows_product(x, kernel, self.dtype, bias, self._dots)
+            return dense
         return _FlatDense(features, kernel_init=_dense_init(self.config), dtype=self.dtype,
                           param_dtype=self.param_dtype, name=name)
 
@@ -446,11 +434,8 @@ class BertSelfAttention(_BertModule):
         # middle axis ([B*T, D] x [D, n, D]) was 1-6% slower on CPU; under a "model" mesh
         # axis the reshape costs a reshard of this layer's [D, n*D] kernel per step.
         dots = self._dots
-        if dots is not None:   # the bias on the 2-D rows: see rows_product
-            proj = rows_product(h, kernel.reshape(D, n * D), self.dtype, bias.reshape(n * D),
-                                dots).reshape(B, T, n, D)
-        else:
-            proj = rows_product(h, kernel.reshape(D, n * D), self.dtype).reshape(B, T, n, D) + bias
+        proj = rows_product(h, kernel.reshape(D, n * D), self.dtype, bias.reshape(n * D),
+                            dots).reshape(B, T, n, D)
         heads = [split(proj[:, :, i]) for i in range(n)]
         if cls_only:
             bq = biases[0].astype(self.dtype)
