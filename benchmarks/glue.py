@@ -198,9 +198,17 @@ def augmented_train_file(args, task: str, b: dict, tdir: str, tokenizer_dir: str
 
 # --------------------------------------------------------------------------- stages
 
+def _dtype_overrides(args) -> dict:
+    """Every model of every stage (teacher and student) computes in --dtype; float32 leaves the
+    configs' defaults. On a CPU, bfloat16 means bf16 products with float32 activations
+    (build.compute_dtypes)."""
+    d = getattr(args, "dtype", "float32")
+    return {} if d == "float32" else {"student.dtype": d, "teacher.dtype": d}
+
+
 def common_overrides(args, b: dict, task: Optional[str], kind: str) -> dict:
     o = {"data.glue_dir": args.glue_dir, "data.cache_dir": os.path.join(args.workdir, "cache"),
-         "train.log_every": 25 if args.budget != "small" else 1}
+         "train.log_every": 25 if args.budget != "small" else 1, **_dtype_overrides(args)}
     if task is not None:
         o.update({"data.train_subset": _per_task(b["train_subset"], task),
                   "data.eval_subset": _per_task(b["eval_subset"], task),
@@ -324,7 +332,7 @@ def _cpu_common(args, task: str, epochs: float, lr: float) -> dict:
          "data.train_subset": args.train_subset or 0, "data.eval_subset": args.eval_subset or 0,
          "train.batch_size": CPU["batch"], "train.eval_batch_size": CPU["eval_batch"],
          "train.num_epochs": epochs, "train.log_every": 50, "optim.learning_rate": lr,
-         "train.checkpoint_every": 500}
+         "train.checkpoint_every": 500, **_dtype_overrides(args)}
     if args.max_steps:
         o["train.num_steps"] = args.max_steps
     return o
@@ -402,7 +410,8 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     lr = {**CPU["lr"], **CPU["task_lr"].get(task, {}), **args.lr}
     res: Dict[str, dict] = {"recipe": {"teacher_epochs": te, "student_epochs": se, "lr": lr,
                                        "init_layers": list(args.init_layers),
-                                       "layer_map": args.layer_map}}
+                                       "layer_map": args.layer_map,
+                                       "dtype": getattr(args, "dtype", "float32")}}
     c = _load_config("finetune_teacher", task)
     res["teacher"] = _run(_set(c, {**_cpu_common(args, task, te, lr["teacher"]),
                                    "teacher.path": "packaged"}), os.path.join(tdir, "teacher"))
@@ -512,7 +521,7 @@ def cpu_table(rows: List[dict], res_by_task: Dict[str, dict]) -> str:
                      f"{r['student_epochs']:.2f} epochs each, learning rates {json.dumps(r['lr'])}"
                      + (f", students initialised from teacher layers {r['init_layers']}, "
                         f"intermediate layer map {r['layer_map']}" if "init_layers" in r else "")
-                     + ".")
+                     + f", compute dtype {r.get('dtype', 'float32')}.")
         if "da_info" in res:
             d = res["da_info"]
             L.append("")
@@ -761,6 +770,10 @@ def main(argv=None) -> str:
     ap.add_argument("--no_compile_cache", action="store_true",
                     help="do not use a persistent XLA compilation cache in <workdir>/jax_cache")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="compute dtype of every stage's teacher and student (default float32); "
+                    "bfloat16 on a CPU with AMX: bf16 products, float32 activations, ~1.6x faster "
+                    "steps")
     ap.add_argument("--no_da", action="store_true", help="budget cpu: skip the tinybert+da row")
     ap.add_argument("--rows", default="",
                     help="budget cpu: comma list of rows to run, of " + ",".join(CPU_ROWS)

@@ -84,6 +84,15 @@ def compute_dtypes(name: str, backend: Optional[str] = None) -> dict:
     return {"dtype": dt}
 
 
+def compute_label(name: str, backend: Optional[str] = None) -> str:
+    """How a model of config dtype `name` computes on `backend`, in words for the start-up line:
+    'bfloat16', or on a CPU 'bfloat16 products, float32 activations' (compute_dtypes)."""
+    kw = compute_dtypes(name, backend)
+    act = jnp.dtype(kw["dtype"]).name
+    return f"{jnp.dtype(kw['dot_dtype']).name} products, {act} activations" \
+        if "dot_dtype" in kw else act
+
+
 def student_module(config, student_config: BertConfig) -> BertForSequenceClassification:
     """The student as the config asks for it (compute dtype, remat, official head)."""
     sc = config.student

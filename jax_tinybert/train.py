@@ -287,8 +287,12 @@ def _announce(run: build.Run) -> None:
           f"device(s) (mesh {dict(run.mesh.shape)}), "
           f"{run.data.train_batches.steps_per_epoch} steps/epoch", flush=True)
     # Fine-tuning has no teacher: its dtype setting is not used.
-    hint = dtype_hint(jax.default_backend(), [c.student.dtype] + (
-        [c.teacher.dtype] if m.teacher_params is not None else []))
+    dtypes = [c.student.dtype] + ([c.teacher.dtype] if m.teacher_params is not None else [])
+    if set(dtypes) != {"float32"}:
+        labels = [build.compute_label(d) for d in dtypes]
+        print("compute: " + (labels[0] if len(set(labels)) == 1 else
+                             f"student {labels[0]}; teacher {labels[1]}"), flush=True)
+    hint = dtype_hint(jax.default_backend(), dtypes)
     if hint:
         print(hint, flush=True)
 
@@ -305,7 +309,8 @@ def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def dtype_hint(backend: str, dtypes: Iterable[str], amx: Optional[bool] = None) -> Optional[str]:
     """A one-line note when a model's compute dtype (`dtypes`: the student's, the teacher's) is
     the slower one on this backend (measured, benchmarks/RESULTS.md): float32 on a GPU or on a
-    CPU with AMX (`amx`, default: cpu_has_amx()), bfloat16 on a CPU without it. None otherwise."""
+    CPU with AMX (`amx`, default: cpu_has_amx()), bfloat16 on a CPU without it, float16 on any
+    CPU. None otherwise."""
     dtypes = {str(d) for d in dtypes}
     if backend == "gpu" and "float32" in dtypes:
         return ("note: float32 compute on a GPU; --config.student.dtype=bfloat16 "
@@ -319,6 +324,10 @@ def dtype_hint(backend: str, dtypes: Iterable[str], amx: Optional[bool] = None) 
                 "--config.teacher.dtype=bfloat16 ran the steps 1.55-1.9x faster on an Intel Xeon "
                 "with AMX (bfloat16 products; activations, params and the optimizer stay "
                 "float32; dev accuracy unchanged in RESULTS.md's runs)")
+    if "float16" in dtypes:
+        return ("note: float16 compute on a CPU: XLA has no float16 product kernel there and "
+                "converts to float32 around every op, so it runs slower than float32; use "
+                "bfloat16 (fast on a CPU with AMX) or float32, the default")
     if not amx and "bfloat16" in dtypes:
         return ("note: bfloat16 compute on a CPU without AMX ran its products slower than "
                 "float32 (an AMD EPYC Zen 4 with AVX512-BF16); --config.student.dtype=float32 "

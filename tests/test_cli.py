@@ -7,6 +7,7 @@ One fixture: a temp directory holding configs/ (a link to the repo's), a tiny ra
 with a truncated model.safetensors. Two tiny training runs (2 steps) in all.
 """
 import concurrent.futures
+import json
 import os
 import pathlib
 import re
@@ -505,3 +506,35 @@ def test_a_python_without_the_dependencies_gets_one_line_naming_the_venv(tmp_pat
     assert lines[0].startswith("error: the Python package ") and "is not installed" in lines[0]
     assert "make install" in lines[0] and ". .venv/bin/activate" in lines[0]
     assert not (pathlib.Path(REPO) / "runs" / "x").exists()
+
+
+def test_a_bfloat16_run_says_what_it_computes_and_tracks_float32(cli):
+    """--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16 through the CLI on a
+    CPU: the start-up line says bf16 products with float32 activations (the CPU path of
+    build.compute_dtypes), and the first step's losses, before any update, are the float32
+    run's to bf16 rounding (the float32 run is the reference)."""
+    d, run = cli
+    base = ["--config=configs/task_distill.py:sst2_intermediate",
+            "--config.teacher.path=teacher", "--config.data.glue_dir=glue",
+            "--config.student.init=random", "--config.student.num_hidden_layers=1",
+            "--config.student.hidden_size=16", "--config.student.intermediate_size=32",
+            "--config.student.num_attention_heads=4", "--config.student.dropout=False",
+            "--config.export.enabled=False", *TINY]
+    losses = {}
+    for dt in ("float32", "bfloat16"):
+        r = run(base + [f"--workdir=runs/dtype_{dt}", f"--config.student.dtype={dt}",
+                        f"--config.teacher.dtype={dt}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        says = "compute: bfloat16 products, float32 activations"
+        assert (says in r.stdout) == (dt == "bfloat16"), r.stdout[-2000:]
+        with open(d / "runs" / f"dtype_{dt}" / "metrics.jsonl") as fh:
+            first = [json.loads(ln) for ln in fh if '"step": 1,' in ln][0]
+        losses[dt] = {k: v for k, v in first.items() if k.startswith("train/")
+                      and k.split("/")[1] not in ("lr", "examples_per_s", "tokens_per_s")}
+    assert {"train/loss", "train/attn", "train/hidn", "train/embd", "train/grad_norm"} \
+        <= set(losses["float32"]) and set(losses["float32"]) == set(losses["bfloat16"])
+    for k, v in losses["float32"].items():
+        assert np.isfinite(losses["bfloat16"][k])
+        assert losses["bfloat16"][k] == pytest.approx(v, rel=2e-2), (k, losses)
+    # The layers' products ran in bf16 (the embedding loss has none before its projection).
+    assert all(losses["bfloat16"][k] != losses["float32"][k] for k in ("train/attn", "train/hidn"))

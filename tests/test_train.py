@@ -328,6 +328,15 @@ def test_step_eta_reads_the_last_intervals():
     assert got == pytest.approx(3.0 * (1000 - 200))
 
 
+def test_compute_label_says_what_a_16_bit_dtype_computes_in():
+    """The start-up line's 'compute:' words: on a CPU a 16-bit config dtype means 16-bit
+    products with float32 activations; elsewhere the dtype itself."""
+    assert build.compute_label("bfloat16", "cpu") == "bfloat16 products, float32 activations"
+    assert build.compute_label("float16", "cpu") == "float16 products, float32 activations"
+    assert build.compute_label("bfloat16", "gpu") == "bfloat16"
+    assert build.compute_label("float32", "cpu") == "float32"
+
+
 def test_dtype_hint_names_the_faster_setting(tmp_path):
     """The start-up note: float32 on a GPU, or on a CPU with AMX, points to bfloat16; bfloat16
     on a CPU without AMX to float32; the faster setting (or anything on a TPU) prints nothing."""
@@ -345,6 +354,10 @@ def test_dtype_hint_names_the_faster_setting(tmp_path):
     assert train.dtype_hint("gpu", ["bfloat16", "bfloat16"]) is None
     assert train.dtype_hint("gpu", ["bfloat16"]) is None   # fine-tuning: no teacher
     assert train.dtype_hint("tpu", ["float32", "float32"]) is None
+    for amx_ in (True, False):   # no float16 product kernel on any CPU
+        f16 = train.dtype_hint("cpu", ["float16", "float16"], amx=amx_)
+        assert f16.startswith("note: float16 compute on a CPU") and "slower than float32" in f16
+    assert train.dtype_hint("gpu", ["float16", "float16"]) is None
     # The flag as Linux lists it, among others; a missing file reads as no AMX.
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
