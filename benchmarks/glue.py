@@ -704,21 +704,28 @@ def budget_note(args, b: dict) -> str:
 
 
 def _model_folder_problem(path: str) -> str:
-    """What keeps the local folder `path` from being a model a stage can load ('' if nothing):
-    the files `config_check` asks of config.teacher.path, here before any stage runs."""
+    """What keeps the folder `path` (local or gs://) from being a model a stage can load ('' if
+    nothing): the files `config_check` asks of config.teacher.path, here before any stage runs."""
+    from jax_tinybert import fs
     from jax_tinybert.config_check import missing_model_files
 
-    q = os.path.expanduser(path)
-    if not os.path.isdir(q):
-        return "a file, not a model folder" if os.path.exists(q) else "no model folder there"
+    remote = fs.is_remote(path)
+    if remote:
+        try:
+            fs.check_reachable(path)
+        except fs.RemoteFSError as e:
+            return str(e)
+    q = path.rstrip("/") if remote else os.path.expanduser(path)
+    if not fs.isdir(q):
+        return "a file, not a model folder" if fs.exists(q) else "no model folder there"
     missing = missing_model_files(q)
-    if missing and os.path.isdir(os.path.join(q, "export")):
+    if missing and fs.isdir(fs.join(q, "export")):
         return (f"a run's workdir, not a model folder: its model is in "
-                f"{os.path.join(path.rstrip('/'), 'export')}")
+                f"{fs.join(path.rstrip('/'), 'export')}")
     if missing:
         return f"the folder has no {' and no '.join(missing)}"
     try:
-        with open(os.path.join(q, "config.json")) as fh:
+        with fs.open_file(fs.join(q, "config.json")) as fh:
             cfg = json.load(fh)
     except (OSError, ValueError) as e:
         return f"config.json is not readable JSON ({e})"
@@ -823,8 +830,11 @@ def main(argv=None) -> str:
                          "model.safetensors and the tokenizer, as a run's <workdir>/export) or a "
                          "Hugging Face hub name such as bert-base-uncased")
     if args.teacher != "packaged" and looks_local(args.teacher):
-        args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
-        with open(os.path.join(args.teacher, "config.json")) as fh:
+        from jax_tinybert import fs
+
+        if not fs.is_remote(args.teacher):   # the stages run with their own working folders
+            args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
+        with fs.open_file(fs.join(args.teacher, "config.json")) as fh:
             layers = json.load(fh).get("num_hidden_layers", 0)
         # The PKD row's student is made of the teacher layers configs/pkd.py names.
         need = max(_load_config("pkd", "sst2").student.teacher_layers)

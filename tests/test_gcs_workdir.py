@@ -320,3 +320,35 @@ def test_a_model_folder_in_a_bucket(emulator, tmp_path_factory, tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert json.loads((tmp_path / "pred" / "summary.json").read_text())["steps"] == 4
     assert "teacher=2L-H32" in res.stdout, res.stdout[-2000:]
+
+
+def test_the_glue_benchmark_takes_a_teacher_in_a_bucket(emulator, tmp_path, glue_dir):
+    """benchmarks/glue.py --teacher gs://...: checked in the bucket before any stage, as a local
+    folder is (its layers read from the bucket's config.json); what is wrong is one line."""
+    teacher = T.tiny_teacher(tmp_path / "teacher", layers=6)
+    for f in os.listdir(teacher):
+        with open(os.path.join(teacher, f), "rb") as fh:
+            _put(f"gs://{emulator.bucket}/models/teacher/{f}", fh.read())
+    _put(f"gs://{emulator.bucket}/models/half/config.json", b'{"num_hidden_layers": 6}')
+
+    def glue(teacher_url, glue_dir_arg):
+        return subprocess.run(
+            [T.PYTHON, os.path.join(REPO, "benchmarks", "glue.py"), "--budget", "small", "--tasks",
+             "mrpc", "--glue_dir", glue_dir_arg, "--workdir", str(tmp_path / "w"), "--teacher",
+             teacher_url], env=T.env(**emulator.env), cwd=tmp_path, capture_output=True,
+            text=True, timeout=120)
+    cases = {
+        "gs://no-such-bucket/teacher": "bucket no-such-bucket does not exist",
+        f"gs://{emulator.bucket}/models/none": "no model folder there",
+        f"gs://{emulator.bucket}/models/half": "the folder has no model.safetensors or",
+    }
+    for url, msg in cases.items():
+        r = glue(url, str(glue_dir))
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and f"--teacher {url}: {msg}" in lines[-1], (url, r.stderr)
+        assert not (tmp_path / "w").exists(), url
+    # A whole model in the bucket passes: the run goes on to the next check (here a
+    # --glue_dir that does not exist), with no stage started.
+    r = glue(f"gs://{emulator.bucket}/models/teacher", str(tmp_path / "no_glue"))
+    assert r.returncode == 2 and "--glue_dir" in r.stderr and "does not exist" in r.stderr, \
+        r.stderr
