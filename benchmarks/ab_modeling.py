@@ -111,7 +111,7 @@ def every_objective_reads_tokens():
 STAGE_NAMES = {"intermediate": "tinybert_intermediate", "pred": "tinybert_pred"}
 
 
-def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
+def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size, dtype="float32"):
     """-> [compiled step, state, teacher params, sharded batch, timings, compile s] built with
     `models`."""
     build.BertForSequenceClassification, build.BertModel = models
@@ -120,6 +120,7 @@ def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
         name = "tinybert_" + stage[len("cached_"):]
         obj_cfg = st.objective_cfg(name, scfg, tcfg)
         config = plan.plan_config(objective=name, objective_cfg=obj_cfg, optim_cfg=st.OPT_CFG)
+        config.student.dtype = dtype
         obj = build.build_objective(config, scfg, tcfg)
         mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
         r = np.random.RandomState(0)
@@ -140,7 +141,8 @@ def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size):
         state, batch, tp, step = built.init_state(sparams, 0), shd.shard_batch(hb, mesh), None, \
             built.train_step
     else:
-        case = st.Case(STAGE_NAMES.get(stage, stage), tcfg, tparams, scfg, sparams, student_dropout=True)
+        case = st.Case(STAGE_NAMES.get(stage, stage), tcfg, tparams, scfg, sparams,
+                       student_dropout=True, dtype=dtype)
         state, batch, tp, step = case.fresh_state(), case.shard(hb), case.teacher_params, case.step
     t0 = time.perf_counter()
     compiled = step.lower(state, tp, batch).compile()
@@ -162,6 +164,9 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--smoke", action="store_true",
                    help="tiny random models (seconds): a check of the wiring, not a measurement")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="both models' compute dtype (bfloat16 on a CPU: bf16 products, float32 "
+                   "activations)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     tree = (modeling.BertForSequenceClassification, modeling.BertModel)
@@ -173,7 +178,8 @@ def main(argv=None):
     tcfg, tparams = st.load_teacher("minilm", smoke=args.smoke)
     scfg = st.student_config("tinybert4", tcfg, smoke=args.smoke)
     sparams = st._random_params(scfg, 2)
-    print(f"baseline = {args.baseline}, tree = working tree; {cpu_name()}", flush=True)
+    print(f"baseline = {args.baseline}, tree = working tree, {args.dtype}; {cpu_name()}",
+          flush=True)
     rows = []
     for stage in args.stages.split(","):
         for T in (int(x) for x in args.lengths.split(",")):
@@ -182,7 +188,7 @@ def main(argv=None):
                 full = k == "baseline" and args.baseline == FULL_LAST_LAYER
                 with every_objective_reads_tokens() if full else contextlib.nullcontext():
                     runs[k] = make_step(stage, T, m, tcfg, tparams, scfg, sparams,
-                                        args.batch_size)
+                                        args.batch_size, args.dtype)
             for i in range(args.rounds):
                 for k in (("baseline", "tree") if i % 2 == 0 else ("tree", "baseline")):
                     compiled, state, tp, batch, ts, _ = runs[k]
@@ -207,6 +213,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"baseline": args.baseline, "cpu": cpu_name(), "rounds": args.rounds,
+                       "dtype": args.dtype,
                        "batch_size": args.batch_size, "smoke": args.smoke, "rows": rows}, f,
                       indent=1)
 

@@ -253,9 +253,42 @@ def _half_einsum_bwd(eq, dtype, out_dtype, res, g):
             # The product's transpose as rows too: a plain .T would be folded into the dot as
             # a column-major output, which the library dot cannot write either.
             gb = _rows_to_columns(_sum32("mn,nk->mk", _rows_to_columns(g), a.astype(dtype)))
+    elif _contracts_rows(ia, out, ib):
+        gb = _rows_product_of_columns(g, a.astype(dtype), out, ia, ib)
     else:
         gb = _sum32(f"{ia},{out}->{ib}", a.astype(dtype), g)
     return ga, gb.astype(b.dtype)
+
+
+def _contracts_rows(x: str, y: str, out: str) -> bool:
+    """Whether einsum x,y->out is a batched product over the rows of both operands:
+    [..., Q, X] and [..., Q, Y] -> [..., X, Y] or [..., Y, X] (the attention products'
+    second gradient: q or k from the scores', v from the context's)."""
+    return (len(x) == len(y) == len(out) >= 2 and x[:-2] == y[:-2] == out[:-2]
+            and x[-2] == y[-2] and x[-2] not in out and {x[-1], y[-1]} == set(out[-2:])
+            and x[-1] != y[-1])
+
+
+def _rows_product_of_columns(g: Array, a: Array, g_eq: str, a_eq: str, out: str) -> Array:
+    """einsum(f"{g_eq},{a_eq}->{out}", g, a) in float32, for a product over the rows of both
+    16-bit operands (_contracts_rows). As written, the left operand of the library dot would be
+    read column by column, which XLA's CPU library dot (YNNPACK) refuses: it upcast these to a
+    float32 Eigen batched dot. One operand, or the other and the result, is first transposed as
+    rows (_swap_minor), whichever moves fewer elements."""
+    lhs, rhs = (g, a) if g_eq[-1] == out[-2] else (a, g)   # lhs: the output's rows
+    Q, X, Y = lhs.shape[-2], lhs.shape[-1], rhs.shape[-1]
+    if Q * X <= Q * Y + X * Y:
+        return jnp.matmul(_swap_minor(lhs), rhs, preferred_element_type=jnp.float32)
+    return _swap_minor(jnp.matmul(_swap_minor(rhs), lhs, preferred_element_type=jnp.float32))
+
+
+def _swap_minor(x: Array) -> Array:
+    """x [..., M, N] -> [..., N, M] as an array in row-major order (see _rows_to_columns)."""
+    *lead, m, n = x.shape
+    d = next(d for d in (8, 4, 2, 1) if m % d == 0)
+    k = len(lead)
+    y = x.reshape(*lead, m // d, d, n).transpose(*range(k), k + 2, k, k + 1)
+    return y.reshape(*lead, n, m)
 
 
 def _rows_to_columns(x: Array) -> Array:
@@ -266,9 +299,7 @@ def _rows_to_columns(x: Array) -> Array:
     x.T @ g was upcast to a float32 Eigen dot (~270 against ~860 GFLOP/s for [4096, 384] x
     [4096, 1536] on an Intel Xeon with AMX, transpose included). Going through 3-D
     ([N/d, d, K] -> [K, N/d, d]) makes XLA write the transposed rows."""
-    n, k = x.shape
-    d = next(d for d in (8, 4, 2, 1) if n % d == 0)
-    return x.reshape(n // d, d, k).transpose(2, 0, 1).reshape(k, n)
+    return _swap_minor(x)
 
 
 half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
@@ -282,6 +313,14 @@ def _heads_first(x: Array, heads: int) -> Array:
     e = next(e for e in (8, 4, 2, 1) if T % e == 0)
     y = x.reshape(B, T // e, e, heads, D // heads).transpose(0, 3, 1, 2, 4)
     return y.reshape(B, heads, T, D // heads)
+
+
+def _heads_last(x: Array) -> Array:
+    """x [B, H, T, d] -> [B, T, H*d] as an array in row-major order (_heads_first's inverse):
+    the context's cotangent then reaches its batched gradient products as rows too."""
+    B, H, T, d = x.shape
+    e = next(e for e in (8, 4, 2, 1) if T % e == 0)
+    return x.reshape(B, H, T // e, e, d).transpose(0, 2, 3, 1, 4).reshape(B, T, H * d)
 
 
 def rows_product(x: Array, kernel: Array, dtype: Dtype, bias: Optional[Array] = None,
@@ -457,6 +496,8 @@ class BertSelfAttention(_BertModule):
         if not deterministic and c.attention_probs_dropout_prob > 0:
             probs = Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
         ctx = product("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
+        if dots is not None:
+            return _heads_last(ctx), logits
         return ctx.transpose(0, 2, 1, 3).reshape(B, q.shape[2], c.hidden_size), logits
 
 

@@ -531,6 +531,44 @@ def test_teacher_cache_fingerprint_names_the_product_dtype(teacher):
         f"BertModel:{jnp.float32}:dots={jnp.bfloat16}"
 
 
+def test_cpu_bfloat16_attention_products_and_their_gradients_take_bfloat16_operands():
+    """At a bucket length (even: q, k, v are written heads-first as rows, _heads_first), every
+    product of a compiled bfloat16 train step, the attention's batched ones and their two
+    gradients included, takes bfloat16 operands: XLA's CPU backend upcasts a bfloat16 product
+    whose operand the library dot cannot read as rows to a float32 Eigen one (the gradients of
+    k and v did so until _rows_product_of_columns). The gradients of q, k and v match the
+    float32 model's to bfloat16 rounding."""
+    from jax_tinybert import build
+    cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=256,
+                         num_attention_heads=4, vocab_size=100, num_labels=3)
+    m32 = jtb.BertForSequenceClassification(cfg)
+    m16 = m32.clone(**build.compute_dtypes("bfloat16", "cpu"))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (16, 64), 1, 100)
+    mask = jnp.ones(ids.shape, jnp.int32).at[0, 40:].set(0)
+    p = m32.init(jax.random.PRNGKey(0), ids)["params"]
+
+    def grads(model):
+        return jax.jit(jax.grad(lambda p: jnp.sum(model.apply(
+            {"params": p}, ids, mask, deterministic=True).logits ** 2)))
+
+    hlo = grads(m16).lower(p).compile().as_text()
+    defs = {n: (t, [int(x) for x in d.split(",") if x])
+            for n, t, d in re.findall(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]", hlo)}
+    dots = [(defs[a], defs[b]) for a, b in
+            re.findall(r"= \w+\[[\d,]+\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
+    batched = [d for d in dots if len(d[0][1]) == 4]
+    # 2 layers x (scores, context) x (forward and 2 gradients).
+    assert len(batched) >= 2 * 2 * 3, len(batched)
+    not_bf16 = [d for d in dots if min(d[0][1][-2:] + d[1][1][-2:]) >= 8
+                and (d[0][0], d[1][0]) != ("bf16", "bf16")]
+    assert not not_bf16, not_bf16[:3]
+    g32, g16 = grads(m32)(p), grads(m16)(p)
+    for name in ("query", "key", "value"):
+        k32 = np.asarray(g32["bert"]["encoder"]["layer"]["0"]["attention"]["self"][name]["kernel"])
+        k16 = np.asarray(g16["bert"]["encoder"]["layer"]["0"]["attention"]["self"][name]["kernel"])
+        assert np.linalg.norm(k16 - k32) / np.linalg.norm(k32) < 0.05, name
+
+
 @pytest.mark.parametrize("B,T", [(1, 8), (3, 13), (32, 16), (8, 64)])
 def test_cpu_bfloat16_step_runs_at_odd_shapes(B, T):
     """A bfloat16 forward and backward compiles and runs at shapes a run meets (one example,
