@@ -57,7 +57,11 @@ def keep_mask(key: jax.Array, rate: float, shape: Tuple[int, ...]) -> Tuple[jax.
     n = math.prod(shape)
     if shape and shape[-1] % 2 == 0:
         words = random_bits(key, tuple(shape[:-1]) + (shape[-1] // 2,))
-        halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(shape)
+        # Compared before they are interleaved: XLA then keeps a 1-byte mask between the
+        # forward and the backward instead of the 4-byte halves (1.03x a bf16 step at T 128).
+        keep = jnp.stack([(words & 0xFFFF) >= jnp.uint32(t), (words >> 16) >= jnp.uint32(t)],
+                         axis=-1)
+        return keep.reshape(shape), _GRID / (_GRID - t)
     else:
         words = random_bits(key, ((n + 1) // 2,))
         halves = jnp.concatenate([words & 0xFFFF, words >> 16])[:n].reshape(shape)
