@@ -66,6 +66,21 @@ def test_elements_sharing_a_word_are_independent():
     assert abs(across - m * p * p) < 5 * math.sqrt(m * p * p * (1 - p * p))
 
 
+def test_even_masks_are_the_halves_of_jax_words_in_order():
+    """The mask, element by element, against NumPy on JAX's own words: element 2i is kept when
+    the low 16 bits of word i reach the threshold, element 2i+1 when its high 16 bits do (so a
+    seed gives the masks it gave before the comparison moved ahead of the interleave)."""
+    key, shape = jax.random.PRNGKey(7), (3, 5, 8)
+    t, _ = grid_rate(0.1)
+    words = np.asarray(jax.random.bits(key, (3, 5, 4), jnp.uint32)).astype(np.int64)
+    want = np.empty(shape, bool)
+    want[..., 0::2] = (words & 0xFFFF) >= t
+    want[..., 1::2] = (words >> 16) >= t
+    np.testing.assert_array_equal(np.asarray(keep_mask(key, 0.1, shape)[0]), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(
+        lambda k: keep_mask(k, 0.1, shape)[0])(key)), want)
+
+
 def test_rates_the_grid_cannot_hold_take_the_32_bit_path():
     # 0.001 * 65536 = 65.5 -> 66 -> 0.001007: 0.7% off, beyond the 0.1% allowed.
     keep, scale = keep_mask(jax.random.PRNGKey(2), 0.001, (2000, 1000))
