@@ -325,9 +325,9 @@ def dtype_hint(backend: str, dtypes: Iterable[str], amx: Optional[bool] = None) 
                 "with AMX (bfloat16 products; activations, params and the optimizer stay "
                 "float32; dev accuracy unchanged in RESULTS.md's runs)")
     if "float16" in dtypes:
-        return ("note: float16 compute on a CPU: XLA has no float16 product kernel there and "
-                "converts to float32 around every op, so it runs slower than float32; use "
-                "bfloat16 (fast on a CPU with AMX) or float32, the default")
+        return ("note: float16 compute on a CPU: XLA has no float16 product kernel there, so "
+                "it converts the operands and multiplies in float32, slower than float32 itself; "
+                "use bfloat16 (fast on a CPU with AMX) or float32, the default")
     if not amx and "bfloat16" in dtypes:
         return ("note: bfloat16 compute on a CPU without AMX ran its products slower than "
                 "float32 (an AMD EPYC Zen 4 with AVX512-BF16); --config.student.dtype=float32 "
