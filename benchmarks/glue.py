@@ -202,7 +202,7 @@ def _dtype_overrides(args) -> dict:
     """Every model of every stage (teacher and student) computes in --dtype; float32 leaves the
     configs' defaults. On a CPU, bfloat16 means bf16 products with float32 activations
     (build.compute_dtypes)."""
-    d = getattr(args, "dtype", "float32")
+    d = args.dtype
     return {} if d == "float32" else {"student.dtype": d, "teacher.dtype": d}
 
 
@@ -411,7 +411,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     res: Dict[str, dict] = {"recipe": {"teacher_epochs": te, "student_epochs": se, "lr": lr,
                                        "init_layers": list(args.init_layers),
                                        "layer_map": args.layer_map,
-                                       "dtype": getattr(args, "dtype", "float32")}}
+                                       "dtype": args.dtype}}
     c = _load_config("finetune_teacher", task)
     res["teacher"] = _run(_set(c, {**_cpu_common(args, task, te, lr["teacher"]),
                                    "teacher.path": "packaged"}), os.path.join(tdir, "teacher"))
@@ -521,7 +521,7 @@ def cpu_table(rows: List[dict], res_by_task: Dict[str, dict]) -> str:
                      f"{r['student_epochs']:.2f} epochs each, learning rates {json.dumps(r['lr'])}"
                      + (f", students initialised from teacher layers {r['init_layers']}, "
                         f"intermediate layer map {r['layer_map']}" if "init_layers" in r else "")
-                     + f", compute dtype {r.get('dtype', 'float32')}.")
+                     + f", compute dtype {r['dtype']}.")
         if "da_info" in res:
             d = res["da_info"]
             L.append("")

@@ -38,7 +38,7 @@ from jax_tinybert import teacher_cache, teacher_store
 from jax_tinybert.config_check import ConfigValueError, owned_by_a_run
 from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
 from jax_tinybert.hf import bert_params, load_pretrained, resolve_path
-from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
+from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel, is_half,
                                    init_classifier, random_params)
 from jax_tinybert.train_state import TrainState
 
@@ -79,7 +79,7 @@ def compute_dtypes(name: str, backend: Optional[str] = None) -> dict:
     AMX where the CPU has it (RESULTS.md, session 38). No "dot_dtype" key otherwise, so that a
     model class from before it (benchmarks/ab_modeling.py's baseline) takes these too."""
     dt = dtype(name)
-    if jnp.dtype(dt).itemsize == 2 and (backend or jax.default_backend()) == "cpu":
+    if is_half(dt) and (backend or jax.default_backend()) == "cpu":
         return {"dtype": jnp.float32, "dot_dtype": dt}
     return {"dtype": dt}
 

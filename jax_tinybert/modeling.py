@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Optional, Tuple, Union
 
 import flax
 import flax.linen as nn
@@ -245,15 +245,7 @@ def _half_einsum_bwd(eq, dtype, out_dtype, res, g):
                              "operand; its gradient is not a product of the other two")
     g = g.astype(dtype)
     ga = _sum32(f"{out},{ib}->{ia}", g, b.astype(dtype)).astype(a.dtype)
-    if eq == "nk,km->nm":   # a dense layer's kernel gradient: see _rows_to_columns
-        # Transposing the narrower of x [N, K] and g [N, M] moves fewer bytes.
-        if b.shape[0] <= b.shape[1]:
-            gb = _sum32("kn,nm->km", _rows_to_columns(a.astype(dtype)), g)
-        else:
-            # The product's transpose as rows too: a plain .T would be folded into the dot as
-            # a column-major output, which the library dot cannot write either.
-            gb = _rows_to_columns(_sum32("mn,nk->mk", _rows_to_columns(g), a.astype(dtype)))
-    elif _contracts_rows(ia, out, ib):
+    if _contracts_rows(ia, out, ib):   # a dense kernel's gradient, or k's and v's
         gb = _rows_product_of_columns(g, a.astype(dtype), out, ia, ib)
     else:
         gb = _sum32(f"{ia},{out}->{ib}", a.astype(dtype), g)
@@ -261,9 +253,9 @@ def _half_einsum_bwd(eq, dtype, out_dtype, res, g):
 
 
 def _contracts_rows(x: str, y: str, out: str) -> bool:
-    """Whether einsum x,y->out is a batched product over the rows of both operands:
-    [..., Q, X] and [..., Q, Y] -> [..., X, Y] or [..., Y, X] (the attention products'
-    second gradient: q or k from the scores', v from the context's)."""
+    """Whether einsum x,y->out is a (batched) product over the rows of both operands:
+    [..., Q, X] and [..., Q, Y] -> [..., X, Y] or [..., Y, X] (the second gradient of a dense
+    layer, x.T @ g, and of the attention products: k from the scores', v from the context's)."""
     return (len(x) == len(y) == len(out) >= 2 and x[:-2] == y[:-2] == out[:-2]
             and x[-2] == y[-2] and x[-2] not in out and {x[-1], y[-1]} == set(out[-2:])
             and x[-1] != y[-1])
@@ -282,35 +274,35 @@ def _rows_product_of_columns(g: Array, a: Array, g_eq: str, a_eq: str, out: str)
     return _swap_minor(jnp.matmul(_swap_minor(rhs), lhs, preferred_element_type=jnp.float32))
 
 
+def _rows_split(n: int) -> int:
+    """The factor (8, 4, 2 or 1) a transpose splits an axis of n rows by (see _swap_minor)."""
+    return next(d for d in (8, 4, 2, 1) if n % d == 0)
+
+
 def _swap_minor(x: Array) -> Array:
-    """x [..., M, N] -> [..., N, M] as an array in row-major order (see _rows_to_columns)."""
-    *lead, m, n = x.shape
-    d = next(d for d in (8, 4, 2, 1) if m % d == 0)
-    k = len(lead)
-    y = x.reshape(*lead, m // d, d, n).transpose(*range(k), k + 2, k, k + 1)
-    return y.reshape(*lead, n, m)
-
-
-def _rows_to_columns(x: Array) -> Array:
-    """x [N, K] -> x.T [K, N], as an array in row-major order.
+    """x [..., M, N] -> [..., N, M], as an array in row-major order.
 
     XLA's CPU backend gives a plain transpose a column-major layout instead of moving data, and
     its library dot (YNNPACK) takes row-major operands only, so a bfloat16 kernel gradient
     x.T @ g was upcast to a float32 Eigen dot (~270 against ~860 GFLOP/s for [4096, 384] x
-    [4096, 1536] on an Intel Xeon with AMX, transpose included). Going through 3-D
-    ([N/d, d, K] -> [K, N/d, d]) makes XLA write the transposed rows."""
-    return _swap_minor(x)
+    [4096, 1536] on an Intel Xeon with AMX, transpose included). Going through one more axis
+    ([M/d, d, N] -> [N, M/d, d]) makes XLA write the transposed rows."""
+    *lead, m, n = x.shape
+    d = _rows_split(m)
+    k = len(lead)
+    y = x.reshape(*lead, m // d, d, n).transpose(*range(k), k + 2, k, k + 1)
+    return y.reshape(*lead, n, m)
 
 
 half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
 
 
 def _heads_first(x: Array, heads: int) -> Array:
-    """x [B, T, H*d] -> [B, H, T, d] as an array in row-major order (see _rows_to_columns): a
+    """x [B, T, H*d] -> [B, H, T, d] as an array in row-major order (see _swap_minor): a
     plain transpose is a layout, {3,1,2,0}, and the library dot takes no 16-bit operand in it.
     T is split in two on the way, which makes XLA write the rows."""
     B, T, D = x.shape
-    e = next(e for e in (8, 4, 2, 1) if T % e == 0)
+    e = _rows_split(T)
     y = x.reshape(B, T // e, e, heads, D // heads).transpose(0, 3, 1, 2, 4)
     return y.reshape(B, heads, T, D // heads)
 
@@ -319,7 +311,7 @@ def _heads_last(x: Array) -> Array:
     """x [B, H, T, d] -> [B, T, H*d] as an array in row-major order (_heads_first's inverse):
     the context's cotangent then reaches its batched gradient products as rows too."""
     B, H, T, d = x.shape
-    e = next(e for e in (8, 4, 2, 1) if T % e == 0)
+    e = _rows_split(T)
     return x.reshape(B, H, T // e, e, d).transpose(0, 2, 3, 1, 4).reshape(B, T, H * d)
 
 
@@ -328,11 +320,10 @@ def rows_product(x: Array, kernel: Array, dtype: Dtype, bias: Optional[Array] = 
     """x [..., in] @ kernel [in, out] (+ bias [out]) -> [..., out] in `dtype`, as one 2-D
     product on the rows. A 16-bit `dot_dtype` goes through half_einsum (the kernel may stay
     float32: its gradient then does too); otherwise matmul_rows in `dtype`."""
-    dots = dot_dtype
-    if not is_half(dots):
+    if not is_half(dot_dtype):
         y = matmul_rows(x, kernel.astype(dtype))
         return y if bias is None else y + bias.astype(dtype)
-    y = half_einsum("nk,km->nm", x.reshape((-1, x.shape[-1])), kernel, dots, dtype)
+    y = half_einsum("nk,km->nm", x.reshape((-1, x.shape[-1])), kernel, dot_dtype, dtype)
     if bias is not None:
         # Added to the 2-D rows: its gradient is then a sum over one axis, which XLA's CPU
         # backend fuses; over [B, T] of a bfloat16 cotangent it became a convert and a

@@ -65,7 +65,7 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     assert glue_bench._parse_lr(ap, "") == {}
     recipe = {"teacher_epochs": 5.0, "student_epochs": 4.0,
               "lr": {**glue_bench.CPU["lr"], "teacher": 1e-4}, "init_layers": [2, 4, 6],
-              "layer_map": "uniform"}
+              "layer_map": "uniform", "dtype": "float32"}
     res = {"recipe": recipe, "teacher": _summary(0.8, 10, 5.0, "t")}
     rows = glue_bench.cpu_rows(types.SimpleNamespace(glue_dir=str(glue_dir)), "mrpc", res)
     assert rows[0]["model"] == "teacher" and rows[0]["recipe"]["lr"]["teacher"] == 1e-4
@@ -236,20 +236,21 @@ def test_recipe_defaults_and_flags_reach_every_stage(glue_bench, monkeypatch, tm
     assert c["inter"].objective.layer_map == "1:1,2:2,3:6"
 
 
-def test_dtype_reaches_every_stage_and_the_recipe_line(glue_bench, glue_dir):
-    """--dtype bfloat16 sets both models' compute dtype in every stage's overrides (budget cpu
-    and the other budgets) and the table's recipe line names it; float32 leaves the configs'
-    defaults."""
+def test_dtype_reaches_every_stage_and_the_recipe_line(glue_bench, monkeypatch, tmp_path,
+                                                        glue_dir):
+    """--dtype bfloat16 sets both models' compute dtype in every stage's config (budget cpu, and
+    the other budgets' overrides); without it the configs keep float32. The table's recipe line
+    names it."""
     import types
-    for dt, want in (("bfloat16", {"student.dtype": "bfloat16", "teacher.dtype": "bfloat16"}),
-                     ("float32", {})):
-        a = types.SimpleNamespace(glue_dir=str(glue_dir), workdir="/w", train_subset=0,
-                                  eval_subset=0, max_steps=0, dtype=dt, budget="small",
-                                  steps_scale=1.0)
-        cpu = glue_bench._cpu_common(a, "mrpc", 4.0, 5e-5)
-        other = glue_bench.common_overrides(a, glue_bench.BUDGETS["small"], "mrpc", "pred")
-        for o in (cpu, other):
-            assert {k: v for k, v in o.items() if k.endswith(".dtype")} == want
+    for argv, want in (((), "float32"), (("--dtype", "bfloat16"), "bfloat16")):
+        args, cfgs = _stage_configs(glue_bench, monkeypatch, tmp_path / want, glue_dir, *argv)
+        assert set(cfgs) >= {"teacher", "inter", "pred", "pkd", "kd", "labels"}
+        for name, cfg in cfgs.items():
+            assert (cfg.student.dtype, cfg.teacher.dtype) == (want, want), name
+    a = types.SimpleNamespace(glue_dir=str(glue_dir), workdir="/w", dtype="bfloat16",
+                              budget="small", steps_scale=1.0)
+    other = glue_bench.common_overrides(a, glue_bench.BUDGETS["small"], "mrpc", "pred")
+    assert (other["student.dtype"], other["teacher.dtype"]) == ("bfloat16", "bfloat16")
     recipe = {"teacher_epochs": 5.0, "student_epochs": 4.0, "lr": dict(glue_bench.CPU["lr"]),
               "init_layers": [2, 4, 6], "layer_map": "uniform", "dtype": "bfloat16"}
     res = {"recipe": recipe, "teacher": _summary(0.8, 10, 5.0, "t")}
