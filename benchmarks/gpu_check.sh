@@ -18,7 +18,8 @@
 #      process each, through benchmarks/epoch.py's phases, no XLA_FLAGS set: the logs must say
 #      "fast compile", one bucket, and no per-token cache;
 #   2. step throughput at T 128, B 32 / 256, float32 and bf16 (MFU).
-# Environment: SUB=N (train subset; 0 = all), T1/T2 (timeouts of steps 1 and 2, s), GLUE_DIR (prepare).
+# Environment: SUB=N (train subset; 0 = all), T1/T2 (timeouts of steps 1 and 2, s), GLUE_DIR (prepare),
+# PARTS (which of run's steps, default "0 1 2"), DTYPE (step 1's compute dtype: float32 or bfloat16).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 G=.gpu
@@ -109,6 +110,10 @@ fi
   git log --oneline -1
   "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/log"
+PARTS=${PARTS:-0 1 2}
+DTYPE=${DTYPE:-float32}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+part 0 && {
 echo "== 0: tokenizing SST-2's train set (10 s on an H200's host in session 28, 1.5 s on a 2-core Xeon)" \
     | tee -a "$OUT/log"
 # The last: all threads in one malloc arena, as the CLI ran before session 31 (jax_tinybert/malloc.py).
@@ -127,8 +132,10 @@ print(f"RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS') or 'unset'}, "
       f"{dt:.2f} s, {len(ex) / dt:,.0f} sentences/s")
 EOF
 done
+}
 
-echo "== 1: the three stages as the README chains them, one process each (benchmarks/epoch.py)" \
+part 1 && {
+echo "== 1: the three stages as the README chains them, one process each (benchmarks/epoch.py, $DTYPE)" \
     | tee -a "$OUT/log"
 # The fine-tuning stage starts from --override's teacher; the later stages' own teacher.path (1's
 # export) comes after it on their command line and wins. cache_tokens=auto: the CLI's default
@@ -136,7 +143,7 @@ echo "== 1: the three stages as the README chains them, one process each (benchm
 W=/tmp/jtb_gpu_check
 rm -rf $W
 timeout "${T1:-500}" "$PY" benchmarks/epoch.py --tasks sst2 --glue_dir "$PWD/$G/glue" \
-    --teacher_path $T --train_subset "$SUB" --no_step_bench --no-standalone_pred \
+    --teacher_path $T --train_subset "$SUB" --dtype "$DTYPE" --no_step_bench --no-standalone_pred \
     --scratch $W --json "$OUT/epoch.json" --override=--config.teacher.path=$T \
     --override=--config.teacher.cache_tokens=auto > "$L/epoch.log" 2>&1
 echo "rc $?" | tee -a "$OUT/log"
@@ -146,7 +153,9 @@ for s in finetune intermediate pred; do
   grep -hE "XLA GPU|per-token cache|length buckets|compiled ahead|done in" $W/sst2/$s.log 2>/dev/null \
       | cut -c1-220 | tee -a "$OUT/log"
 done
+}
 
+part 2 && {
 echo "== 2: step throughput, T 128" | tee -a "$OUT/log"
 for d in float32 bfloat16; do
   XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T2:-120}" \
@@ -156,5 +165,6 @@ for d in float32 bfloat16; do
   echo "rc $? ($d)" | tee -a "$OUT/log"
   grep -E "^\| minilm" "$L/step_$d.log" | tee -a "$OUT/log"
 done
+}
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
 echo "finished" | tee -a "$OUT/log"
