@@ -17,6 +17,7 @@ the 32-bit path of `jax.random.bernoulli` instead.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Tuple
 
 import flax.linen as nn
@@ -40,6 +41,12 @@ def random_bits(key: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
     return jax.random.bits(key, shape, jnp.uint32)
 
 
+def _bytes_little_endian() -> bool:
+    """Whether a bitcast of uint16 to 2 x uint8 puts the low byte first: XLA leaves the order
+    to the machine; the CPU backend is the host's, and only there is it relied on."""
+    return sys.byteorder == "little" and jax.default_backend() == "cpu"
+
+
 def grid_rate(rate: float) -> Tuple[int, float]:
     """rate -> (t, t / 65536): the 16-bit drop threshold and the rate it realises."""
     t = int(round(rate * _GRID))
@@ -57,10 +64,20 @@ def keep_mask(key: jax.Array, rate: float, shape: Tuple[int, ...]) -> Tuple[jax.
     n = math.prod(shape)
     if shape and shape[-1] % 2 == 0:
         words = random_bits(key, tuple(shape[:-1]) + (shape[-1] // 2,))
-        # Compared before they are interleaved: XLA then keeps a 1-byte mask between the
-        # forward and the backward instead of the 4-byte halves (1.03x a bf16 step at T 128).
-        keep = jnp.stack([(words & 0xFFFF) >= jnp.uint32(t), (words >> 16) >= jnp.uint32(t)],
-                         axis=-1)
+        lo, hi = (words & 0xFFFF) >= jnp.uint32(t), (words >> 16) >= jnp.uint32(t)
+        if _bytes_little_endian():
+            # Both decisions of a word in one uint16, split into its two bytes by a bitcast, so
+            # that the hash runs once per word. Interleaved by a stack, each element hashes its
+            # own word: twice per word. `% 0xFFFF` is the identity (pair <= 0x0101), but XLA's
+            # fusion counts an integer remainder as expensive and will not copy it into each
+            # consumer: without it the hash was fused into both the forward's and the
+            # backward's loop, four times per word (RESULTS.md, session 40).
+            pair = (lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)) % jnp.uint16(0xFFFF)
+            keep = jax.lax.bitcast_convert_type(pair, jnp.uint8).astype(jnp.bool_)
+        else:
+            # Compared before they are interleaved: XLA then keeps a 1-byte mask between the
+            # forward and the backward instead of the 4-byte halves.
+            keep = jnp.stack([lo, hi], axis=-1)
         return keep.reshape(shape), _GRID / (_GRID - t)
     else:
         words = random_bits(key, ((n + 1) // 2,))

@@ -66,10 +66,15 @@ def test_elements_sharing_a_word_are_independent():
     assert abs(across - m * p * p) < 5 * math.sqrt(m * p * p * (1 - p * p))
 
 
-def test_even_masks_are_the_halves_of_jax_words_in_order():
+@pytest.mark.parametrize("bitcast", [True, False], ids=["bytes_of_uint16", "stacked"])
+def test_even_masks_are_the_halves_of_jax_words_in_order(bitcast, monkeypatch):
     """The mask, element by element, against NumPy on JAX's own words: element 2i is kept when
     the low 16 bits of word i reach the threshold, element 2i+1 when its high 16 bits do (so a
-    seed gives the masks it gave before the comparison moved ahead of the interleave)."""
+    seed gives the masks it gave before the comparison moved ahead of the interleave). Both
+    interleaves: the CPU's bitcast of a uint16's bytes, and the stack other backends take."""
+    import jax_tinybert.dropout as dropout_mod
+    assert dropout_mod._bytes_little_endian()  # the CPU these tests run on
+    monkeypatch.setattr(dropout_mod, "_bytes_little_endian", lambda: bitcast)
     key, shape = jax.random.PRNGKey(7), (3, 5, 8)
     t, _ = grid_rate(0.1)
     words = np.asarray(jax.random.bits(key, (3, 5, 4), jnp.uint32)).astype(np.int64)
@@ -79,6 +84,30 @@ def test_even_masks_are_the_halves_of_jax_words_in_order():
     np.testing.assert_array_equal(np.asarray(keep_mask(key, 0.1, shape)[0]), want)
     np.testing.assert_array_equal(np.asarray(jax.jit(
         lambda k: keep_mask(k, 0.1, shape)[0])(key)), want)
+
+
+def test_each_word_is_hashed_once_for_the_forward_and_the_backward():
+    """A dropout's forward and backward compile so that the key feeds one loop, whose output has
+    one element per threefry word: the hash runs once per word and both passes read its result.
+    (A stack interleave's loop had one element per mask element, hashing each word twice;
+    without the remainder, the key fed the forward's and the backward's loops, four times.)"""
+    import re
+    shape = (2, 3, 16, 16)
+
+    def grad(key, x):
+        def loss(x):
+            keep, scale = keep_mask(key, 0.1, x.shape)
+            return jnp.sum(jnp.tanh(jnp.where(keep, x * scale, 0.0)))
+        return jax.grad(loss)(x)
+
+    key, x = jax.random.PRNGKey(0), jnp.ones(shape, jnp.float32)
+    hlo = jax.jit(grad).lower(key, x).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    name = next(re.match(r"\s*(%\S+) = u32\[2\]", l).group(1) for l in entry if "parameter(0)" in l)
+    users = [l for l in entry if "parameter(" not in l and re.search(re.escape(name) + r"\b", l)]
+    assert len(users) == 1, users
+    dims = re.match(r"\s*(?:ROOT )?\S+ = \w+\[([\d,]*)\]", users[0]).group(1)
+    assert math.prod(int(d) for d in dims.split(",")) == math.prod(shape) // 2, users[0]
 
 
 def test_rates_the_grid_cannot_hold_take_the_32_bit_path():
