@@ -67,7 +67,7 @@ def run_setting(name: str, args, out_json: str) -> dict:
     env.pop("JTB_BENCH_REEXEC", None)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SETTINGS[name]}".strip()
     cmd = [sys.executable, os.path.join(HERE, "step_throughput.py"), "--no-torch",
-           "--stages", ",".join(args.stages), "--json", out_json]
+           "--stages", ",".join(args.stages), "--dtype", args.dtype, "--json", out_json]
     if args.smoke:
         cmd.append("--smoke")
     else:
@@ -106,7 +106,8 @@ def summarise(runs: Dict[str, List[dict]]) -> List[dict]:
 
 def render(res: dict) -> str:
     names = res["settings"]
-    lines = [f"# {res['cpu']}; rounds {res['rounds']}; XLA_FLAGS of each setting:"]
+    lines = [f"# {res['cpu']}; rounds {res['rounds']}; {res.get('dtype', 'float32')}; "
+             "XLA_FLAGS of each setting:"]
     lines += [f"#   {n}: {SETTINGS[n] or '(none)'}" for n in names]
     head = "| stage | T | " + " | ".join(f"{n} s/step" for n in names) + " | " + \
         " | ".join(f"{n} vs default" for n in names if n != "default") + " |"
@@ -133,6 +134,8 @@ def main(argv=None) -> int:
                    default=["tinybert_intermediate", "tinybert_pred", "finetune"])
     p.add_argument("--lengths", type=lambda s: [int(x) for x in _csv(s)], default=[16, 64, 128])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the steps' compute dtype (step_throughput.py --dtype)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child process")
@@ -164,7 +167,8 @@ def main(argv=None) -> int:
                 steps = ", ".join(f"{r['stage'].replace('tinybert_', '')}/{r['length']} "
                                   f"{r['s_per_step']:.3f}" for r in res["results"])
                 print(f"round {rnd + 1} {name}: {steps}", flush=True)
-    out = {"cpu": cpu_name(), "rounds": args.rounds, "settings": args.settings,
+    out = {"cpu": cpu_name(), "rounds": args.rounds, "dtype": args.dtype,
+           "settings": args.settings,
            "flags": {n: SETTINGS[n] for n in args.settings}, "failed": failed,
            "matmul": matmul, "rows": summarise(runs)}
     print(render(out))
