@@ -47,6 +47,8 @@ SETTINGS: Dict[str, str] = {
     # YNNPACK also for elementwise ops and reductions (its kernels use every core; XLA's own
     # loop fusions run one thunk on one core).
     "ynn_eltwise": "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce",
+    # YNNPACK for the dots alone: reductions (softmax's, layer norm's) back in XLA's loops.
+    "ynn_dot": "--xla_cpu_experimental_ynn_fusion_type=dot",
     "xnn_graph": "--xla_cpu_use_xnnpack=true "
                  "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
     "vector512": "--xla_cpu_prefer_vector_width=512",
