@@ -63,19 +63,23 @@ def _concrete(abstract, seed=0):
 
 
 def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int,
-            split_update: str = "always") -> dict:
-    """Compile times per length and the step time at the longest; tcfg/scfg: BertConfigs."""
+            split_update: str = "always", dtype: str = "float32") -> dict:
+    """Compile times per length and the step time at the longest; tcfg/scfg: BertConfigs;
+    dtype: both models' compute dtype (config student.dtype / teacher.dtype)."""
+    dtypes = dict(student_dtype=dtype, teacher_dtype=dtype)
     objective = STAGES[stage]
     mesh = shd.make_mesh({"data": -1, "fsdp": 1, "model": 1}, None)
     if stage == "finetune":   # the teacher fine-tuned alone: it is the "student" of the step
         scfg, tcfg = tcfg, None
     train_step, state_abs, teacher_abs, obj, cached = plan.build_step(
-        tcfg or scfg, scfg, objective=objective, mesh=mesh, split_update=split_update)
+        tcfg or scfg, scfg, objective=objective, mesh=mesh, split_update=split_update, **dtypes)
     bsh = shd.batch_sharding(mesh)
-    evaluate = jax.jit(step_lib.make_eval_step(build.student_module(plan.plan_config(), scfg)))
+    evaluate = jax.jit(step_lib.make_eval_step(build.student_module(plan.plan_config(**dtypes),
+                                                                    scfg)))
     forward = None
     if cached:   # the teacher-cache build's forward (stages whose teacher outputs are cached)
-        t = build.teacher_module(plan.plan_config(), tcfg, classifier=objective == "tinybert_pred")
+        t = build.teacher_module(plan.plan_config(**dtypes), tcfg,
+                                 classifier=objective == "tinybert_pred")
         tparams = jax.eval_shape(lambda: init_params(t, jax.random.PRNGKey(0)))
         forward = teacher_cache.make_forward(t, feature_fn=obj.teacher_features)
     rows = []
@@ -126,7 +130,7 @@ def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int,
     step_s = rows[-1]["step_s"]
     per_bucket = statistics.mean(r["compile_train_s"] + r["compile_eval_s"]
                                  + r["compile_teacher_forward_s"] for r in rows)
-    return {"stage": stage, "rows": rows, "compile_update_s": c_update,
+    return {"stage": stage, "dtype": dtype, "rows": rows, "compile_update_s": c_update,
             "compile_per_bucket_s": per_bucket,
             "step_at_max_len_s": step_s, "bucket_in_steps": per_bucket / step_s}
 
@@ -143,6 +147,8 @@ def main(argv=None):
     p.add_argument("--fused", action="store_true",
                    help="the one-program train step (train.split_update=never; default: always)")
     p.add_argument("--smoke", action="store_true", help="tiny random models (tests the wiring)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="both models' compute dtype (on a CPU, bfloat16 products)")
     a = p.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
     if a.smoke:
@@ -157,7 +163,8 @@ def main(argv=None):
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batch": a.batch,
            "stages": []}
     for s in a.stages.split(","):
-        r = measure(s, tcfg, scfg, lengths, a.batch, a.steps, split_update="never" if a.fused else "always")
+        r = measure(s, tcfg, scfg, lengths, a.batch, a.steps,
+                    split_update="never" if a.fused else "always", dtype=a.dtype)
         out["stages"].append(r)
         print(f"{s}: one bucket = {r['compile_per_bucket_s']:.1f} s of compilation = "
               f"{r['bucket_in_steps']:.1f} steps at T={max(lengths)} "
