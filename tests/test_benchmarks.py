@@ -127,6 +127,56 @@ def test_compile_cost_smoke(tmp_path):
             r["compile_per_bucket_s"] / r["step_at_max_len_s"])
 
 
+def test_compile_cost_dtype_reaches_every_program(monkeypatch):
+    """--dtype bfloat16 builds the train step, the eval step and the teacher forward with both
+    models' dtype bfloat16 (the programs whose compile time a bf16 bucket costs)."""
+    import compile_cost as cc
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Obj:
+        teacher_features = None
+
+    def build_step(*a, **kw):
+        seen.append(("train step", kw["student_dtype"], kw["teacher_dtype"]))
+        return object(), None, None, Obj(), {"teacher_logits": (2,)}
+
+    def student_module(config, scfg):
+        seen.append(("eval step", config.student.dtype))
+
+    def teacher_module(config, tcfg, classifier):
+        seen.append(("teacher forward", config.teacher.dtype))
+        raise Stop
+
+    monkeypatch.setattr(cc.plan, "build_step", build_step)
+    monkeypatch.setattr(cc.build, "student_module", student_module)
+    monkeypatch.setattr(cc.build, "teacher_module", teacher_module)
+    monkeypatch.setattr(cc.step_lib, "make_eval_step", lambda model: (lambda *a: None))
+    with pytest.raises(Stop):
+        cc.measure("pred", None, None, [8], 4, 1, dtype="bfloat16")
+    assert seen == [("train step", "bfloat16", "bfloat16"), ("eval step", "bfloat16"),
+                    ("teacher forward", "bfloat16")]
+
+
+def test_xla_cpu_settings_dtype_reaches_the_children(monkeypatch, tmp_path):
+    """--dtype is passed to each step_throughput.py child and recorded in the results."""
+    import xla_cpu_settings as xs
+    cmds = []
+
+    def run(cmd, **kw):
+        cmds.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped by the test")
+
+    monkeypatch.setattr(xs.subprocess, "run", run)
+    out = tmp_path / "s.json"
+    assert xs.main(["--smoke", "--dtype", "bfloat16", "--settings", "default", "--rounds", "1",
+                    "--json", str(out)]) == 0
+    assert cmds and all(c[c.index("--dtype") + 1] == "bfloat16" for c in cmds)
+    assert json.loads(out.read_text())["dtype"] == "bfloat16"
+
+
 def test_step_throughput_accelerator_path(monkeypatch, tmp_path, capsys):
     """The GPU code path (three matmul variants with their errors, pipelined timing, MFU,
     bfloat16 compute, the accelerator table) run on the CPU backend. (PyTorch's side of it is
