@@ -41,9 +41,10 @@ def random_bits(key: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
     return jax.random.bits(key, shape, jnp.uint32)
 
 
-def _bytes_little_endian() -> bool:
-    """Whether a bitcast of uint16 to 2 x uint8 puts the low byte first: XLA leaves the order
-    to the machine; the CPU backend is the host's, and only there is it relied on."""
+def _cpu_little_endian() -> bool:
+    """Whether the default backend is the CPU on a little-endian host, where a bitcast of
+    uint16 to 2 x uint8 puts the low byte first (XLA leaves the order to the machine, so the
+    bitcast interleave is used only where it is known)."""
     return sys.byteorder == "little" and jax.default_backend() == "cpu"
 
 
@@ -65,7 +66,7 @@ def keep_mask(key: jax.Array, rate: float, shape: Tuple[int, ...]) -> Tuple[jax.
     if shape and shape[-1] % 2 == 0:
         words = random_bits(key, tuple(shape[:-1]) + (shape[-1] // 2,))
         lo, hi = (words & 0xFFFF) >= jnp.uint32(t), (words >> 16) >= jnp.uint32(t)
-        if _bytes_little_endian():
+        if _cpu_little_endian():
             # Both decisions of a word in one uint16, split into its two bytes by a bitcast, so
             # that the hash runs once per word. Interleaved by a stack, each element hashes its
             # own word: twice per word. `% 0xFFFF` is the identity (pair <= 0x0101), but XLA's

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_tinybert.dropout as dropout_mod
 from jax_tinybert.dropout import Dropout, grid_rate, keep_mask, random_bits
 
 
@@ -72,9 +73,8 @@ def test_even_masks_are_the_halves_of_jax_words_in_order(bitcast, monkeypatch):
     the low 16 bits of word i reach the threshold, element 2i+1 when its high 16 bits do (so a
     seed gives the masks it gave before the comparison moved ahead of the interleave). Both
     interleaves: the CPU's bitcast of a uint16's bytes, and the stack other backends take."""
-    import jax_tinybert.dropout as dropout_mod
-    assert dropout_mod._bytes_little_endian()  # the CPU these tests run on
-    monkeypatch.setattr(dropout_mod, "_bytes_little_endian", lambda: bitcast)
+    assert dropout_mod._cpu_little_endian()  # the CPU these tests run on
+    monkeypatch.setattr(dropout_mod, "_cpu_little_endian", lambda: bitcast)
     key, shape = jax.random.PRNGKey(7), (3, 5, 8)
     t, _ = grid_rate(0.1)
     words = np.asarray(jax.random.bits(key, (3, 5, 4), jnp.uint32)).astype(np.int64)
@@ -103,8 +103,10 @@ def test_each_word_is_hashed_once_for_the_forward_and_the_backward():
     key, x = jax.random.PRNGKey(0), jnp.ones(shape, jnp.float32)
     hlo = jax.jit(grad).lower(key, x).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
-    name = next(re.match(r"\s*(%\S+) = u32\[2\]", l).group(1) for l in entry if "parameter(0)" in l)
-    users = [l for l in entry if "parameter(" not in l and re.search(re.escape(name) + r"\b", l)]
+    name = next(re.match(r"\s*(%\S+) = u32\[2\]", line).group(1) for line in entry
+                if "parameter(0)" in line)
+    users = [line for line in entry
+             if "parameter(" not in line and re.search(re.escape(name) + r"\b", line)]
     assert len(users) == 1, users
     dims = re.match(r"\s*(?:ROOT )?\S+ = \w+\[([\d,]*)\]", users[0]).group(1)
     assert math.prod(int(d) for d in dims.split(",")) == math.prod(shape) // 2, users[0]
