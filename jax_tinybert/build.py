@@ -130,7 +130,10 @@ def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
     teacher = teacher_config = teacher_params = None
     tpath = resolve_model_path(config.teacher.path)
     needs_teacher = config.objective.name != "finetune"
-    tcfg, tparams = load_pretrained(tpath)
+    # Read only when used: fine-tuning from the teacher's own folder loads it once, as the
+    # student (a second read traced the model for its shapes again: ~0.45 s of start-up).
+    if needs_teacher or sc.init != "pretrained":
+        tcfg, tparams = load_pretrained(tpath)
     if needs_teacher:
         teacher_config, teacher_params = tcfg, tparams
         teacher = teacher_module(config, tcfg, classifier="classifier" in tparams)
@@ -241,6 +244,14 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
 AUTO_COMPILE_STEPS = {"cpu": 8.0}
 AUTO_COMPILE_STEPS_ACCELERATOR = 2000.0
 COMPILE_STEPS_LEN = 64
+# A dev bucket's charge against a train bucket's, per row of padding: its only compilation is
+# the eval program, ~1/10 of a bucket's (compile_cost.py, 2-core Xeon: 0.54-0.61 s against
+# 6.8-8.3 s), and a dev row of padding costs a forward, ~1/3 of a train row. Charged like a
+# train bucket (at eval batch 64: 6.7x this), MRPC's dev set got (88, 128) for a one-epoch
+# run; (64, 88, 128) does 13% less work, filler rows counted (benchmarks/RESULTS.md, session
+# 41). On an H200 the eval program's share is ~1/5 (above), but the accelerator's charge is
+# large enough that a dev set keeps one or two buckets either way.
+EVAL_BUCKET_SHARE = 0.3
 
 
 def bucket_compile_steps(config) -> float:
@@ -282,12 +293,12 @@ def choose_buckets(config, train_lengths, eval_lengths,
     train = batching.resolve_buckets(
         (), dc.max_len, train_lengths, dc.max_buckets, passes=max(epochs, 1e-9),
         compile_cost=batching.compile_cost(per_bucket, tc.batch_size, COMPILE_STEPS_LEN))
-    # The dev set is charged the same per bucket: an eval step is ~1/3 of a train step but its
-    # compilation ~1/10 (compile_cost.py), so this errs towards fewer dev buckets, on a pass
-    # that is a small share of the run.
+    # A dev bucket compiles only the eval program, and its padding costs forwards, not train
+    # steps: EVAL_BUCKET_SHARE of a train bucket's charge, in the train step's rows.
     dev = batching.resolve_buckets(
         (), dc.max_len, eval_lengths, dc.max_buckets, passes=max(evals, 1),
-        compile_cost=batching.compile_cost(per_bucket, tc.eval_batch_size, COMPILE_STEPS_LEN))
+        compile_cost=EVAL_BUCKET_SHARE * batching.compile_cost(per_bucket, tc.batch_size,
+                                                               COMPILE_STEPS_LEN))
     if record and jax.process_index() == 0:
         fs.makedirs(workdir)
         fs.write_json_atomic(record, {"train": list(train), "eval": list(dev),

@@ -121,6 +121,12 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
                     ckpt.save_best(step, state, meta, ev["main"])
             _save_and_maybe_stop(config, ckpt, preemption, writer, step, run.total_steps,
                                  state, metrics, meta, workdir, save_timer)
+        # An export of the final state is written while orbax's threads finish the last
+        # checkpoint (MRPC fine-tuning: 0.5 s of export beside a 1.4 s wait); the best
+        # checkpoint's params are read back only once every save is on disk.
+        exported = None
+        if config.export.enabled and (best is None or best["step"] == step):
+            exported = (_export(run, state.params["student"], workdir), step)
         ckpt.wait()
     except BaseException as e:
         # The saves in flight finish (and their orbax threads end) before the process does:
@@ -141,8 +147,11 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
     flops = _run_flops(run, compiler)
 
     # ----------------------------------------------------------------- finish
-    final_params, export_step = _best_params(ckpt, run, state, best, step)
-    export_dir = _export(run, final_params, workdir) if config.export.enabled else None
+    if exported is not None:
+        export_dir, export_step = exported
+    else:
+        final_params, export_step = _best_params(ckpt, run, state, best, step)
+        export_dir = _export(run, final_params, workdir) if config.export.enabled else None
     ckpt.close()
     m = run.models
     summary = {"stage": config.stage, "objective": run.objective.name, "steps": step,

@@ -156,6 +156,47 @@ def test_task_configs_choose_buckets_from_the_data(tmp_path, glue_dir, teacher_d
     assert d.train_batches.buckets == (32, 64) == d.eval_batches.buckets
 
 
+def test_dev_buckets_are_charged_their_eval_program_only(tmp_path, glue_dir, teacher_dir):
+    """A dev bucket compiles one eval program (~1/10 of a train bucket's compilations) and its
+    padding costs forwards: MRPC's one evaluation of 408 pairs after a one-epoch fine-tuning is
+    split into more buckets than a train bucket's charge would pay for, with less padding."""
+    from jax_tinybert.data import batching
+
+    c = _cfg("finetune_teacher.py", "mrpc")
+    c.data.glue_dir, c.train.num_epochs = str(glue_dir), 1
+    ev = build.build_data(c, str(tmp_path), teacher_dir).eval_batches
+    assert len(ev.lengths) == 408
+    as_train = batching.choose_buckets(
+        ev.lengths, 128, c.data.max_buckets, passes=1,
+        compile_cost=batching.compile_cost(build.AUTO_COMPILE_STEPS["cpu"], c.train.batch_size,
+                                           build.COMPILE_STEPS_LEN))
+    assert len(ev.buckets) > len(as_train) and ev.buckets[-1] == 128
+    work = lambda b: batching.bucket_cost(ev.lengths, b)   # noqa: E731
+    assert work(ev.buckets) < 0.8 * work(as_train)
+
+
+def test_fine_tuning_reads_its_model_folder_once(teacher_dir):
+    """The `finetune` objective has no teacher: the folder is read once, as the student (each
+    read traces the model for its shapes); a distillation stage reads both its models."""
+    c = build.with_defaults(_cfg("finetune_teacher.py", "mrpc"))
+    reads = []
+    real = build.load_pretrained
+
+    def counted(path, **kw):
+        reads.append(path)
+        return real(path, **kw)
+
+    with mock.patch.object(build, "load_pretrained", counted):
+        m = build.build_models(c, 2, None)
+        assert len(reads) == 1 and m.teacher is None and m.teacher_params is None
+        assert set(m.student_params) == {"bert", "classifier"}
+        d = build.with_defaults(_cfg("task_distill.py", "mrpc_pred"))
+        d.teacher.path = d.student.path = str(teacher_dir)
+        reads.clear()
+        m = build.build_models(d, 2, None)
+        assert len(reads) == 2 and m.teacher is not None
+
+
 # --------------------------------------------------------------------------- intermediate cache
 
 def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
