@@ -125,7 +125,7 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
         # checkpoint (MRPC fine-tuning: 0.5 s of export beside a 1.4 s wait); the best
         # checkpoint's params are read back only once every save is on disk.
         exported = None
-        if config.export.enabled and (best is None or best["step"] == step):
+        if config.export.enabled and not _exports_best(best, step):
             exported = (_export(run, state.params["student"], workdir), step)
         ckpt.wait()
     except BaseException as e:
@@ -520,10 +520,16 @@ def _wall_before(workdir: str, start_step: int, past: dict) -> float:
 
 # --------------------------------------------------------------------------- eval and export
 
+def _exports_best(best: Optional[dict], step: int) -> bool:
+    """Whether the export is the best checkpoint's, read back from disk: the best eval was not
+    at the last step `step`."""
+    return best is not None and best["step"] != step
+
+
 def _best_params(ckpt: Checkpointer, run: build.Run, state, best: Optional[dict], step: int):
-    """(student params to export, their step): the best checkpoint's when the best eval was not
-    the last step (the final state's if that checkpoint is damaged or missing)."""
-    if best is not None and best["step"] != step:
+    """(student params to export, their step): the best checkpoint's when `_exports_best`
+    (the final state's if that checkpoint is damaged or missing)."""
+    if _exports_best(best, step):
         got = ckpt.restore_best(run.step.abstract_state)
         if got is not None:
             if jax.process_index() == 0:

@@ -111,6 +111,47 @@ def test_kill_and_resume_single_process(setup, straight, tmp_path, sig):
 
 
 @pytest.mark.timeout(600)
+def test_the_export_holds_the_best_checkpoints_params(setup, tmp_path):
+    """The export is the best eval's student, on both of its paths: read back from
+    workdir/best when the best eval came before the last step, the final state itself (written
+    while the last checkpoint's save finishes) when it was the last. Compared with the student
+    params orbax wrote to disk at that step."""
+    import json
+
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from jax_tinybert.hf import load_pretrained
+
+    def saved_student(path):
+        ck = ocp.PyTreeCheckpointer()
+        tree = ck.metadata(path).item_metadata.tree
+        args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        return ck.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))["params"][
+            "student"]
+
+    teacher, cache = setup
+    paths = set()
+    # 20 steps, evals every 5 (the straight run's: its best is at step 5); 10 steps, one eval.
+    for name, steps, every in (("early", 20, 5), ("last", 10, 10)):
+        wd = tmp_path / name
+        args = T.train_args(wd, teacher, steps=steps, extra=(
+            "--config.objective.name=finetune", f"--config.train.eval_every={every}",
+            "--config.export.enabled=True"))
+        res = _run(args, _env(cache))
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        summary = json.loads((wd / "summary.json").read_text())
+        best = summary["best"]["step"]
+        assert summary["export_step"] == best
+        paths.add("final state" if best == steps else "best read back")
+        _, exported = load_pretrained(str(wd / "export"))
+        assert T.max_abs_diff(exported, saved_student(wd / "best" / str(best) / "state")) == 0.0
+        if best == steps:
+            assert T.max_abs_diff(exported, T.restore_state(wd, best)["params"]["student"]) == 0
+    assert paths == {"final state", "best read back"}
+
+
 def test_finished_run_rerun_in_place_keeps_its_outputs(setup, straight, tmp_path):
     import json
     import shutil
