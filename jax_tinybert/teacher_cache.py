@@ -446,6 +446,9 @@ class _TokenWriter:
         self.index = np.full((num_examples, 1 + len(self.names)), -1, np.int64)
         self.handles = {k: open(os.path.join(folder, k + ".bin"), "wb") for k in self.names}
         self.offsets = {k: 0 for k in self.names}
+        # Each file's CRC-32 as it is written, while its bytes are in cache: read back at close,
+        # the 2.26 GB of an MRPC intermediate cache took ~0.9 s before the first step.
+        self.crcs = {k: 0 for k in self.names}
         self.row_shapes: Dict[str, Dict[str, list]] = {k: {} for k in self.names}
         self.written = 0
 
@@ -465,7 +468,9 @@ class _TokenWriter:
             n = int(np.prod(v.shape[1:]))
             self.row_shapes[k].setdefault(str(T), list(v.shape[1:]))
             self.index[ids, 1 + j] = self.offsets[k] + n * np.arange(len(ids))
-            self.handles[k].write(memoryview(v).cast("B"))
+            data = memoryview(v).cast("B")
+            self.crcs[k] = zlib.crc32(data, self.crcs[k])
+            self.handles[k].write(data)
             self.offsets[k] += n * len(ids)
         self.written += len(ids)
         return {k: v for k, v in feats.items() if k not in self.names}
@@ -482,7 +487,7 @@ class _TokenWriter:
         for k in self.names:
             f = os.path.join(self.folder, k + ".bin")
             info[k] = {"dtype": self.dtype.name, "row_shapes": self.row_shapes[k],
-                       "bytes": os.path.getsize(f), "crc32": _crc32(f)}
+                       "bytes": os.path.getsize(f), "crc32": self.crcs[k]}
         return {"token_fields": info, "token_index_file": _file_info(p)}
 
     def abort(self) -> None:

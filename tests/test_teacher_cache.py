@@ -3,6 +3,7 @@ import json
 import logging
 import os
 import types
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -483,6 +484,10 @@ def test_intermediate_cache_damage_and_other_buckets_rebuild(tmp_path, small, ca
     c1 = tc.build_for_training(models, obj, mk((16, 32, 64)), str(tmp_path), num_steps=8,
                                token_dtype="float16")
     assert c1.build_stats is not None
+    # Each per-token file's CRC-32 (summed up as it was written) is the file's, read back here.
+    folder = tmp_path / "cache" / "teacher"
+    for name, info in c1.meta["token_fields"].items():
+        assert info["crc32"] == zlib.crc32((folder / f"{name}.bin").read_bytes()), name
     reused = tc.build_for_training(models, obj, mk((16, 32, 64)), str(tmp_path), num_steps=8,
                                    token_dtype="float16")
     assert reused.build_stats is None
