@@ -130,19 +130,20 @@ def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
     teacher = teacher_config = teacher_params = None
     tpath = resolve_model_path(config.teacher.path)
     needs_teacher = config.objective.name != "finetune"
-    # Read only when used: fine-tuning from the teacher's own folder loads it once, as the
+    # Read on first use only: fine-tuning from the teacher's own folder loads it once, as the
     # student (a second read traced the model for its shapes again: ~0.45 s of start-up).
-    if needs_teacher or sc.init != "pretrained":
-        tcfg, tparams = load_pretrained(tpath)
+    teacher_folder = functools.cache(lambda: load_pretrained(tpath))
     if needs_teacher:
-        teacher_config, teacher_params = tcfg, tparams
-        teacher = teacher_module(config, tcfg, classifier="classifier" in tparams)
+        teacher_config, teacher_params = teacher_folder()
+        teacher = teacher_module(config, teacher_config,
+                                 classifier="classifier" in teacher_params)
     rng = jax.random.PRNGKey(config.train.seed)
     if sc.init == "pretrained":
         path = resolve_model_path(sc.path or tpath)
         scfg, sparams = load_pretrained(path, for_classification=True, num_labels=num_labels,
                                         seed=config.train.seed)
     elif sc.init == "teacher_layers":
+        tcfg, tparams = teacher_folder()
         layers = tuple(int(i) for i in sc.teacher_layers)
         if not layers or any(not 1 <= i <= tcfg.num_hidden_layers for i in layers):
             raise ConfigValueError(f"config.student.teacher_layers={layers}: need 1-based teacher "
@@ -156,6 +157,7 @@ def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
                    "classifier": tparams.get("classifier", fresh["classifier"])
                    if tcfg.num_labels == num_labels else fresh["classifier"]}
     else:
+        tcfg, _ = teacher_folder()
         scfg = BertConfig(vocab_size=tcfg.vocab_size, hidden_size=sc.hidden_size,
                           num_hidden_layers=sc.num_hidden_layers,
                           num_attention_heads=sc.num_attention_heads,
