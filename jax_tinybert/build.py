@@ -34,7 +34,7 @@ import optax
 from jax_tinybert import config_base, fs, objectives, optim
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
-from jax_tinybert import teacher_cache, teacher_store
+from jax_tinybert import teacher_cache, teacher_store, teacher_stream
 from jax_tinybert.config_check import ConfigValueError, owned_by_a_run
 from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
 from jax_tinybert.hf import bert_params, load_pretrained, resolve_path
@@ -517,7 +517,8 @@ class Run:
     teacher_params: Any
     # Builds the teacher cache on first use (the per-token one is GBs and minutes): train.py asks
     # for it only when steps are left to train (not for a finished run rerun in place).
-    cache_builder: Optional[Callable[[], teacher_cache.TeacherCache]] = None
+    # Called with beside=True by a caller that trains while it builds (`ensure_cache`).
+    cache_builder: Optional[Callable[..., Any]] = None
     # batch -> {field: ShapeDtypeStruct}: what the cache will add to it (for compiling ahead).
     cache_spec: Optional[Callable[[Dict[str, np.ndarray]], Dict[str, Any]]] = None
 
@@ -525,10 +526,13 @@ class Run:
     def evaluates(self) -> bool:
         return self.step.eval_step is not None
 
-    def ensure_cache(self) -> Optional[teacher_cache.TeacherCache]:
-        """The teacher cache, built now if it was deferred."""
+    def ensure_cache(self, beside: bool = False):
+        """The teacher cache, built now if it was deferred. beside=True (train.py): a
+        `teacher_stream.StreamingCache` where `builds_beside` says so, whose build runs while
+        the caller trains; the caller swaps it for its `result()` after the steps, or `stop()`s
+        it."""
         if self.cache is None and self.cache_builder is not None:
-            self.cache = self.cache_builder()
+            self.cache = self.cache_builder(beside)
         return self.cache
 
 
@@ -570,6 +574,18 @@ AUTO_CACHE_EPOCHS = 2
 # step with the teacher live against 11.7 ms from the cache, which also took a 16 s build and
 # 14.3 GB of disk (benchmarks/RESULTS.md, session 28).
 AUTO_CACHE_BACKENDS = ("cpu",)
+
+
+def builds_beside(config, token_dtype: Optional[str]) -> bool:
+    """Whether the teacher cache is built beside the steps (teacher_stream.py) rather than
+    before the first: teacher.cache_build, 'auto' = for a per-token cache on CPU, where the
+    steps leave ~0.2 of the two cores idle that the pass fills (MRPC's first intermediate
+    epoch: benchmarks/RESULTS.md, session 43). The other caches are packed (not in the steps'
+    order) or small."""
+    mode = config.teacher.cache_build
+    if mode == "auto":
+        return bool(token_dtype) and jax.default_backend() == "cpu"
+    return mode == "beside" and bool(token_dtype)
 
 
 def token_cache_plan(config, objective: objectives.Objective, data: Data, total: int,
@@ -638,10 +654,19 @@ def build_run(config, workdir: str) -> Run:
         cached, token_dtype = tokens, (config.teacher.cache_dtype if tokens else None)
     builder = spec = None
     if cached:
-        def builder():
+        def make(live=None, order=None):
             return teacher_cache.build_for_training(models, obj, data, workdir, mesh,
                                                     num_steps=total, token_dtype=token_dtype,
-                                                    store=teacher_store.from_env())
+                                                    store=teacher_store.from_env(), live=live,
+                                                    order=order)
+
+        def builder(beside: bool = False):
+            if not (beside and builds_beside(config, token_dtype)):
+                return make()
+            # The order of the steps left: the batcher is at the run's (restored) position.
+            return teacher_stream.StreamingCache(
+                lambda live: make(live, teacher_stream.steps_order(data.train_batches, total)),
+                token_dtype)
 
         def spec(batch):
             return teacher_cache.lookup_spec(models, obj, batch, token_dtype)

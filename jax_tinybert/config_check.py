@@ -166,6 +166,7 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "teacher.cache_tokens": ("auto", "always", "never"),
         "train.split_update": ("auto", "always", "never"),
         "teacher.cache_dtype": ("float16", "float32"),
+        "teacher.cache_build": ("auto", "beside", "before"),
     }
 
 

@@ -192,6 +192,23 @@ class TeacherCache:
             raise CacheError(f"{shown}: checksum mismatch (corrupt file)")
         return a
 
+    @classmethod
+    def building(cls, folder: str, num_examples: int, fields: Dict[str, Any],
+                 filled: np.ndarray, token_fields: Dict[str, Any],
+                 token_index: Optional[np.ndarray],
+                 row_shapes: Dict[str, Dict[str, list]]) -> "TeacherCache":
+        """A cache still being written, as its build holds it (teacher_stream.py): `lookup`
+        reads the rows written so far. fields: {name: array [N, ...]}; token_fields: {name:
+        flat rows, sliceable like the memmap of a finished cache}; row_shapes: {name: {T: shape}}."""
+        self = cls.__new__(cls)
+        self.path = self.local_dir = folder
+        self.build_stats = None
+        self.meta = {"token_fields": {k: {"row_shapes": v} for k, v in row_shapes.items()}}
+        self.num_examples = int(num_examples)
+        self.fields, self.filled = fields, filled
+        self.token_fields, self.token_index = token_fields, token_index
+        return self
+
     @property
     def fingerprint(self) -> dict:
         return self.meta["fingerprint"]
@@ -344,7 +361,8 @@ def per_segment(out, cls_positions, cls_only: bool):
 def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
           batches: Iterable[Mapping[str, np.ndarray]], num_examples: int,
           num_rows: Optional[int] = None, token_fields: Sequence[str] = (),
-          token_dtype: str = "float32", work_total: Optional[float] = None) -> TeacherCache:
+          token_dtype: str = "float32", work_total: Optional[float] = None,
+          live=None) -> TeacherCache:
     """Run `forward(params, ids, mask, types)` over `batches` and write the cache at `path`.
 
     batches: batch dicts (docs/design.md, "Batches") with `example_id` in [0, num_examples); rows with
@@ -355,6 +373,8 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     float32 [num_examples, ...]. Any existing folder at `path` is replaced only once the new one
     is complete. work_total: the batches' `forward_work` summed (`pass_work`), for a progress
     percentage and ETA that follow the work rather than the examples (None: the examples).
+    live: a `teacher_stream.Live` that readers of the rows written so far wait on (the build then
+    runs beside the training steps); its stop flag ends the build between batches.
     """
     expected = int(num_examples if num_rows is None else num_rows)
     path = fs.abspath(path)
@@ -367,7 +387,10 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     try:
         files: Dict[str, np.ndarray] = {}
         filled = np.zeros((num_examples,), bool)
-        tokens = _TokenWriter(tmp, token_fields, token_dtype, num_examples)
+        tokens = _TokenWriter(tmp, token_fields, token_dtype, num_examples,
+                              flush=live is not None)
+        if live is not None:
+            live.attach(tmp, num_examples, files, filled, tokens)
 
         def write(feats, ids, keep, T, work):
             feats = tokens.write(feats, ids[keep], keep, T)
@@ -378,7 +401,10 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                         os.path.join(tmp, k + ".npy"), mode="w+", dtype=np.float32,
                         shape=(num_examples,) + v.shape[1:])
                 files[k][ids[keep]] = v[keep]
-            filled[ids[keep]] = True
+            if live is not None:
+                live.fill(filled, ids[keep])
+            else:
+                filled[ids[keep]] = True
             prog.update(int(keep.sum()), work=work)
 
         def rows():
@@ -400,6 +426,8 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         flops = work_lib.Work()
         for (ids, keep, T, work), feats in forwarded(forward, params, rows(), flops=flops):
             write(feats, ids, keep, T, work)
+            if live is not None:
+                live.check()
         prog.close(note=work_lib.fmt(flops.flops, prog.elapsed) if flops.known else "")
         if not files and not tokens.written:
             raise ValueError(f"teacher cache {path}: the batches held no valid rows")
@@ -441,8 +469,11 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
 class _TokenWriter:
     """Appends per-token fields row by row to raw files, each row at its own length T."""
 
-    def __init__(self, folder: str, names: Sequence[str], dtype: str, num_examples: int):
+    def __init__(self, folder: str, names: Sequence[str], dtype: str, num_examples: int,
+                 flush: bool = False):
         self.folder, self.names, self.dtype = folder, tuple(sorted(names)), np.dtype(dtype)
+        # flush: each write reaches the file before it returns (rows read while the build runs).
+        self.flush = flush
         self.index = np.full((num_examples, 1 + len(self.names)), -1, np.int64)
         self.handles = {k: open(os.path.join(folder, k + ".bin"), "wb") for k in self.names}
         self.offsets = {k: 0 for k in self.names}
@@ -471,6 +502,8 @@ class _TokenWriter:
             data = memoryview(v).cast("B")
             self.crcs[k] = zlib.crc32(data, self.crcs[k])
             self.handles[k].write(data)
+            if self.flush:
+                self.handles[k].flush()
             self.offsets[k] += n * len(ids)
         self.written += len(ids)
         return {k: v for k, v in feats.items() if k not in self.names}
@@ -521,13 +554,13 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
                   batches: Union[Iterable, Callable[[], Iterable]], num_examples: int,
                   verify: bool = True, num_rows: Optional[int] = None,
                   token_fields: Sequence[str] = (), token_dtype: str = "float32",
-                  work_total: Optional[float] = None) -> TeacherCache:
+                  work_total: Optional[float] = None, live=None) -> TeacherCache:
     """The cache at `path` if it was built from the same `fingerprint`, else (re)build it.
 
     fingerprint: what the outputs depend on, e.g. {"teacher": params_fingerprint(p),
     "data": dataset_fingerprint(ds), "tokenizer": ..., "layers": [...]}; compared with the
     one in meta.json. batches: an iterable, or a callable returning one (called only when a
-    build is needed). A truncated or corrupt cache is rebuilt with a warning. num_rows: see
+    build is needed). A truncated or corrupt cache is rebuilt with a warning. num_rows, live: see
     `build` (put what selects the rows into the fingerprint).
     """
     fingerprint = dict(fingerprint, num_examples=int(num_examples))
@@ -546,7 +579,8 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
                 log.warning("teacher cache %s is unusable, rebuilding it: %s", path, e)
     it = batches() if callable(batches) else batches
     return build(path, fingerprint, forward, params, it, num_examples, num_rows=num_rows,
-                 token_fields=token_fields, token_dtype=token_dtype, work_total=work_total)
+                 token_fields=token_fields, token_dtype=token_dtype, work_total=work_total,
+                 live=live)
 
 
 # ----------------------------------------------------------------------------- trainer glue
@@ -574,7 +608,8 @@ def teacher_model_id(teacher) -> str:
 
 def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: int = 64,
                        num_steps: Optional[int] = None,
-                       token_dtype: Optional[str] = None, store=None) -> TeacherCache:
+                       token_dtype: Optional[str] = None, store=None, live=None,
+                       order: Optional[Iterable[Tuple[int, np.ndarray]]] = None) -> TeacherCache:
     """The cache for a training run (called by `train.train_and_evaluate`).
 
     Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
@@ -587,7 +622,10 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     row at its bucket length, in that dtype. store: a `teacher_store.Store` (or None): an
     entry there that covers the rows is copied in instead of running the teacher, and what
     this build computes per example (logits, [CLS] vectors; not the per-token fields) is
-    published to it for later runs.
+    published to it for later runs. live, order: a build beside the steps (teacher_stream.py):
+    the `Live` that readers wait on, and (T, example rows [b]) of the steps left, in the order
+    they run (`teacher_stream.steps_order`), which an unpacked pass follows before the rows no
+    step reads.
     """
     ds = data.train_dataset
     n = len(ds)
@@ -627,6 +665,8 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     plan = packing_plan(lengths, buckets) if _reads_cls_only(obj, token_dtype) else None
 
     def batches():   # asked for only when the cache is built here
+        if plan is None and order is not None:
+            return _ordered_row_batches(ds, order, rows, buckets, batch_size)
         if plan is None:
             return _row_batches(ds, rows, buckets, batch_size)
         log.info("teacher cache: %d examples packed into %d rows of %d tokens (up to %d per "
@@ -665,7 +705,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     cache = build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
                           num_rows=None if rows is None else len(rows),
                           token_fields=token_fields, token_dtype=token_dtype or "float32",
-                          work_total=pass_work(lengths, buckets, plan))
+                          work_total=pass_work(lengths, buckets, plan), live=live)
     if store is not None and cache.build_stats is not None:
         store.publish(cache, share_fp, fields=["teacher_logits"] if token_fields else None)
     cache.fields = _step_fields(cache.fields, token_dtype)
@@ -774,6 +814,51 @@ def _row_batches(ds, rows: Optional[np.ndarray], buckets, batch_size: int):
             chunk = {k: v[s:s + step] for k, v in batch.items()}
             if np.any(chunk["example_id"] >= 0):   # not filler rows only
                 yield chunk
+
+
+def _ordered_row_batches(ds, order: Iterable[Tuple[int, np.ndarray]], rows: Optional[np.ndarray],
+                         buckets, batch_size: int):
+    """Batches for a cache build over the rows of `order` ((T, example rows int [g], -1 =
+    filler) per step, e.g. `teacher_stream.steps_order`) first, each at its step's T, in that
+    order, then over the rows of `rows` (None: all of ds) that no step of it reads, bucket by
+    bucket. Chunks of `rows_per_forward(T, g)` rows (g: the steps' batch; `batch_size` without
+    steps), the shapes of a build before the steps of batch g; a step's (or a bucket's) last
+    chunk is completed with filler rows (example_id -1, valid 0)."""
+    done = np.zeros((len(ds),), bool)
+    wanted = np.zeros((len(ds),), bool)
+    wanted[slice(None) if rows is None else rows] = True
+    left, g = int(wanted.sum()), None
+    for T, ids in order:
+        if left <= 0:
+            break
+        ids = np.asarray(ids, np.int64)
+        g = g or len(ids)
+        ids = ids[ids >= 0]
+        ids = ids[np.sort(np.unique(ids, return_index=True)[1])]   # once each, in order
+        ids = ids[wanted[ids] & ~done[ids]]
+        done[ids] = True
+        left -= len(ids)
+        yield from _chunks(ds, ids, int(T), rows_per_forward(int(T), g))
+    rest = np.flatnonzero(wanted & ~done)
+    if len(rest):
+        g = g or int(batch_size)
+        b = np.asarray(sorted(buckets), np.int64)
+        T_rest = b[batching.assign_buckets(np.asarray(ds.lengths)[rest], b)]
+        for T in np.unique(T_rest).tolist():
+            yield from _chunks(ds, rest[T_rest == T], int(T), rows_per_forward(int(T), g))
+
+
+def _chunks(ds, ids: np.ndarray, T: int, step: int):
+    """Rows `ids` of ds at length T in chunks of `step` rows, the last completed with filler
+    rows (a copy of a real row, example_id -1, valid 0)."""
+    for s in range(0, len(ids), step):
+        part = ids[s:s + step]
+        real = np.arange(step) < len(part)
+        fill = np.where(real, np.resize(part, step), part[0])
+        chunk = {k: v for k, v in ds.gather(fill, T).items() if k != "labels"}
+        chunk["example_id"] = np.where(real, fill, -1)
+        chunk["valid"] = real.astype(np.float32)
+        yield chunk
 
 
 def forwarded(forward: Callable, params, items: Iterable[Tuple[Mapping[str, Any], Any]],

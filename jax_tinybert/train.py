@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_tinybert import build, fs, precompile, teacher_cache, work, workdir_lock
+from jax_tinybert import build, fs, precompile, teacher_cache, teacher_stream, work, workdir_lock
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
@@ -86,9 +86,10 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
         # runs (MRPC: the first step no longer waits ~9 s for its program after the build).
         train_step, eval_step = _steps(run, compiler, start_step)
         if start_step < run.total_steps:
-            # Before the SIGTERM handler is installed, so a preemption during the build stops at
-            # once; and only when steps are left to train.
-            run.ensure_cache()
+            # Before the SIGTERM handler is installed, so a preemption during a build before the
+            # steps stops at once; and only when steps are left to train. A build beside the
+            # steps (teacher_stream.py) starts here and ends with them.
+            run.ensure_cache(beside=True)
         preemption.install()
 
         # ------------------------------------------------------------- loop
@@ -121,6 +122,12 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
                     ckpt.save_best(step, state, meta, ev["main"])
             _save_and_maybe_stop(config, ckpt, preemption, writer, step, run.total_steps,
                                  state, metrics, meta, workdir, save_timer)
+        if isinstance(run.cache, teacher_stream.StreamingCache):
+            # Built beside the steps: finished (the rows no step read) and swapped for the
+            # cache it wrote.
+            run.cache = run.cache.result()
+            if run.cache.build_stats:
+                writer.write(step, run.cache.build_stats, prefix="teacher_cache")
         # An export of the final state is written while orbax's threads finish the last
         # checkpoint (MRPC fine-tuning: 0.5 s of export beside a 1.4 s wait); the best
         # checkpoint's params are read back only once every save is on disk.
@@ -129,6 +136,8 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
             exported = (_export(run, state.params["student"], workdir), step)
         ckpt.wait()
     except BaseException as e:
+        if isinstance(run.cache, teacher_stream.StreamingCache):
+            run.cache.stop()   # a build beside the steps ends with them (its folder removed)
         # The saves in flight finish (and their orbax threads end) before the process does:
         # the last checkpoint stays usable, and no thread prints into the exit. Not after a
         # second Ctrl-C, which means now, nor with several processes, where a save in flight

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from unittest import mock
 
 import numpy as np
@@ -199,9 +200,10 @@ def test_fine_tuning_reads_its_model_folder_once(teacher_dir):
 
 # --------------------------------------------------------------------------- intermediate cache
 
-def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
-    """Runs of more than two epochs cache the teacher's attention logits and hidden states
-    (teacher.cache_tokens='auto'): the same losses as the live teacher, step by step."""
+def _tiny_intermediate(tmp_path):
+    """(cfg(steps, **teacher_cfg), run(name, steps, **teacher_cfg)) of a tiny intermediate stage
+    on 64 synthetic rows: batches of 16 in two buckets, 3 steps an epoch. run -> (summary,
+    losses per step, bytes of the teacher cache it built or 0)."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from helpers import tiny_run
 
@@ -226,15 +228,26 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
         assert not (tmp_path / name / "cache" / "teacher").exists()
         return summary, np.asarray(losses), built[0]["teacher_cache/bytes"] if built else 0
 
+    return cfg, run
+
+
+def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
+    """Runs of more than two epochs cache the teacher's attention logits and hidden states
+    (teacher.cache_tokens='auto'): the same losses as the live teacher, step by step, whether
+    the cache is built beside the steps (auto on CPU) or before them."""
+    cfg, run = _tiny_intermediate(tmp_path)
+    teacher = cfg(1).teacher.path
     # 64 rows, batches of 16 in two buckets: 3 steps an epoch, so 7 steps are over 2 epochs.
     _, live, live_cached = run("live", 7, cache_tokens="never")
     _, f32, f32_cached = run("f32", 7, cache_dtype="float32")            # auto: 7 > 2 epochs
     _, f16, f16_cached = run("f16", 7)                                    # default float16
-    assert live_cached == 0 and f32_cached > 0
+    _, before, before_cached = run("before", 7, cache_dtype="float32", cache_build="before")
+    assert live_cached == 0 and f32_cached > 0 and before_cached == f32_cached
     assert f16_cached == pytest.approx(f32_cached / 2, rel=0.01)   # float16: half the bytes
     assert len(live) == len(f32) == 7 and live[-1] < live[0]
     np.testing.assert_allclose(f32, live, rtol=1e-5)
     np.testing.assert_allclose(f16, live, rtol=2e-3)
+    np.testing.assert_allclose(before, f32, rtol=1e-6)
     # A finished run rerun in place does not build the cache again just to do nothing.
     again, _, _ = run("f32", 7, cache_dtype="float32")
     assert again["steps"] == 7 and len(_records(tmp_path / "f32", "teacher_cache")) == 1
@@ -265,6 +278,56 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
     with pytest.raises(train.ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
                        r"over min\(teacher.cache_max_gb=1e-06 GB"):
         plan(6, cache_tokens="always", cache_max_gb=1e-6)
+
+
+def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypatch):
+    """SIGTERM while the per-token cache is still being written beside the steps: the step is
+    saved, the build stops and leaves no folder, and the rerun rebuilds it, resumes and ends
+    with the losses of a run never stopped."""
+    import signal
+    import threading
+
+    from jax_tinybert import teacher_stream
+    from jax_tinybert.preemption import Preempted
+
+    cfg, run = _tiny_intermediate(tmp_path)
+    _, whole, _ = run("whole", 7, cache_dtype="float32")
+
+    # The build writes the first two steps' rows (one chunk of 16 each), then holds until it
+    # is stopped: the run is preempted with its cache half built.
+    fill, calls, held = teacher_stream.Live.fill, [], threading.Event()
+
+    def slow_fill(self, filled, ids):
+        calls.append(len(ids))
+        if len(calls) > 2:
+            held.set()
+            deadline = time.time() + 30
+            while not self.stop and time.time() < deadline:
+                time.sleep(0.01)
+        fill(self, filled, ids)
+
+    log_step = train._TrainLog.step
+
+    def step(self, n, *a, **k):
+        log_step(self, n, *a, **k)
+        if n == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(teacher_stream.Live, "fill", slow_fill)
+    monkeypatch.setattr(train._TrainLog, "step", step)
+    with pytest.raises(Preempted):
+        train.train_and_evaluate(cfg(7, cache_dtype="float32"), str(tmp_path / "stopped"))
+    assert held.is_set()   # the build was still running when the run stopped
+    assert os.listdir(tmp_path / "stopped" / "cache") == []   # no cache, no temporary folder
+    saved = [r["step"] for r in _records(tmp_path / "stopped", "train")]
+    assert saved and max(saved) <= 2
+    monkeypatch.undo()
+
+    summary, _, rebuilt = run("stopped", 7, cache_dtype="float32")
+    assert summary["steps"] == 7 and rebuilt > 0
+    by_step = {r["step"]: r["train/loss"] for r in _records(tmp_path / "stopped", "train")}
+    assert sorted(by_step) == list(range(1, 8))
+    np.testing.assert_allclose([by_step[i] for i in range(1, 8)], whole, rtol=1e-6)
 
 
 class _DevBatches:
