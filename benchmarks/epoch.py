@@ -137,6 +137,8 @@ def run_cli(config: str, workdir: str, overrides: List[str], log_path: str,
             s = line.strip()
             if "teacher cache" in s and "cache_start" not in marks:
                 marks["cache_start"] = t
+            if s.startswith("[teacher cache]") and " ex in " in s:
+                marks.setdefault("cache_done", t)
             if s.startswith("[") and "objective=" in s:
                 marks.setdefault("setup_done", t)
             elif s.startswith("step ") and "/" in s:
@@ -297,12 +299,21 @@ def split_epochs(r: dict) -> tuple:
         first["work"] = dict(w, steps=w["steps"] / 2)
     if "setup_done" in m and "first_step" in m:
         first["phases"] = {
-            "start-up, data, models" + (", teacher cache" if "cache_start" in m else ""):
-                m["setup_done"],
+            "start-up, data, models" + _cache_note(m): m["setup_done"],
             "first step (compile)": m["first_step"] - m["setup_done"],
             f"steps 2-{spe}": t1 - m["first_step"],
             "final checkpoint, export, exit": r["wall_s"] - t2}
     return first, later
+
+
+def _cache_note(m) -> str:
+    """What the set-up phase holds of the teacher cache pass: all of it (built before the
+    first step), or none (built beside the steps, done at the time given)."""
+    if "cache_start" not in m:
+        return ""
+    if m.get("cache_done", 0.0) <= m.get("setup_done", 0.0):
+        return ", teacher cache"
+    return f" (the teacher cache pass beside the steps, done at {m['cache_done']:.0f} s)"
 
 
 def _report(name, r):
@@ -555,8 +566,7 @@ def render(res: dict) -> str:
             if parts:
                 m = {}   # a split 2-epoch process: its marks span both epochs
             if "setup_done" in m:
-                parts.append(f"start-up, data, models{', teacher cache' if 'cache_start' in m else ''}"
-                             f" {m['setup_done']:.0f} s")
+                parts.append(f"start-up, data, models{_cache_note(m)} {m['setup_done']:.0f} s")
             if "first_step" in m and "setup_done" in m:
                 parts.append(f"first step (compile) {m['first_step'] - m['setup_done']:.0f} s")
             end_train = m.get("last_eval", m.get("last_step"))

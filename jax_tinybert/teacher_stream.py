@@ -166,14 +166,15 @@ def steps_order(batcher, num_steps: int) -> Iterator[Tuple[int, np.ndarray]]:
     their order: from the batcher's position (`epoch`, `step`) to the end of that epoch or to
     global step `num_steps`. One epoch at most: the rows the next one reads again are cached
     by then, and the few it reads for the first time (each bucket's incomplete batch of this
-    epoch) are better forwarded in full chunks than a few to a step."""
+    epoch) are better forwarded in full chunks than a few to a step.
+
+    Read now, not when iterated: the build thread iterates it while the steps move the batcher
+    on (and the batcher's plan cache is not shared between threads)."""
     spe = batcher.steps_per_epoch
     epoch, pos = int(batcher.epoch), int(batcher.step)
     if pos >= spe:
         epoch, pos = epoch + 1, 0
-    end = min(spe, int(num_steps) - epoch * spe)
-    if end <= pos:
-        return
+    end = max(pos, min(spe, int(num_steps) - epoch * spe))
     plan = batcher.epoch_plan(epoch)
-    for s in range(pos, end):
-        yield int(plan.seq_lens[s]), plan.rows[s]
+    lens, rows = plan.seq_lens[pos:end].copy(), plan.rows[pos:end].copy()
+    return iter([(int(t), r) for t, r in zip(lens, rows)])

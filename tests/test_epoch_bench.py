@@ -90,6 +90,11 @@ def test_split_epochs_have_their_own_phases():
     assert line.endswith("= steps 101-200 30 s (load 1.0 -> 1.0)")
     line = next(x for x in table.splitlines() if x.startswith("- sst2 intermediate:"))
     assert "teacher cache 20 s" in line and "final checkpoint, export, exit 12 s" in line
+    # The teacher pass beside the steps (its closing line after the first step): not set-up.
+    r["marks"].update(cache_start=25.0, cache_done=52.4)
+    first, _ = epoch.split_epochs(r)
+    assert "start-up, data, models (the teacher cache pass beside the steps, done at 52 s)" \
+        in first["phases"]
 
 
 # The lines of a real MRPC intermediate run (session 30), as the CLI prints them.

@@ -317,7 +317,9 @@ def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypat
     monkeypatch.setattr(train._TrainLog, "step", step)
     with pytest.raises(Preempted):
         train.train_and_evaluate(cfg(7, cache_dtype="float32"), str(tmp_path / "stopped"))
-    assert held.is_set()   # the build was still running when the run stopped
+    # The build was still running when the run stopped, held at the third chunk: the steps
+    # never waited for it (the first two hold their rows).
+    assert held.is_set() and len(calls) == 3
     assert os.listdir(tmp_path / "stopped" / "cache") == []   # no cache, no temporary folder
     saved = [r["step"] for r in _records(tmp_path / "stopped", "train")]
     assert saved and max(saved) <= 2
