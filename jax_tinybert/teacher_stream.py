@@ -121,10 +121,6 @@ class StreamingCache:
             self._final, self._error, self._done = final, err, True
             self.live.cond.notify_all()
 
-    @property
-    def build_stats(self) -> Optional[Dict[str, float]]:
-        return self._final.build_stats if self._final is not None else None
-
     def lookup(self, example_ids, seq_len: Optional[int] = None) -> Dict[str, np.ndarray]:
         """`TeacherCache.lookup`, once the rows of `example_ids` are written."""
         ids = np.asarray(example_ids, np.int64).reshape(-1)

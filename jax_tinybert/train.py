@@ -94,7 +94,8 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
 
         # ------------------------------------------------------------- loop
         writer = MetricsWriter(workdir, enabled=is_main, start_step=start_step)
-        if run.cache is not None and run.cache.build_stats:
+        beside = isinstance(run.cache, teacher_stream.StreamingCache)   # recorded at its end
+        if run.cache is not None and not beside and run.cache.build_stats:
             writer.write(start_step, run.cache.build_stats, prefix="teacher_cache")
         if is_main:
             _announce(run)
@@ -122,7 +123,7 @@ def _run_stage(config: ml_collections.ConfigDict, workdir: str, t_start: float) 
                     ckpt.save_best(step, state, meta, ev["main"])
             _save_and_maybe_stop(config, ckpt, preemption, writer, step, run.total_steps,
                                  state, metrics, meta, workdir, save_timer)
-        if isinstance(run.cache, teacher_stream.StreamingCache):
+        if beside:
             # Built beside the steps: finished (the rows no step read) and swapped for the
             # cache it wrote.
             run.cache = run.cache.result()

@@ -276,14 +276,19 @@ def test_intermediate_run_with_teacher_cache_resumes_on_the_same_cache(setup, tm
     assert not (wd / "cache" / "teacher").exists() and not (straight / "cache" / "teacher").exists()
 
 
-def test_ctrl_c_during_the_teacher_cache_build_exits_130_and_the_rerun_builds_it(setup, tmp_path):
-    """Ctrl-C before the training loop (here while the per-token teacher cache is built, each
-    teacher forward slowed down) prints one line, no traceback, exit 130; the same command
-    again builds the cache from scratch and finishes."""
+@pytest.mark.parametrize("build", ["before", "beside"])
+def test_ctrl_c_during_the_teacher_cache_build_exits_130_and_the_rerun_builds_it(setup, tmp_path,
+                                                                                build):
+    """Ctrl-C while the per-token teacher cache is built (each teacher forward slowed down),
+    exit 130 and no traceback. Built before the steps (the training loop not started): one
+    line, and the same command again builds the cache from scratch and finishes. Built beside
+    the steps (the default on CPU): the step reached is saved and the build stopped, and the
+    same command again resumes from that step, builds the cache again and finishes."""
     teacher, cache = setup
     wd = tmp_path / "wd"
     # 40 steps of 8 read all 256 examples: the build forwards 32 batches, 0.5 s each.
-    args = T.train_args(wd, teacher, steps=40, extra=("--config.teacher.cache_tokens=always",))
+    args = T.train_args(wd, teacher, steps=40, extra=("--config.teacher.cache_tokens=always",
+                                                      f"--config.teacher.cache_build={build}"))
     # Python's own Ctrl-C handler, as in a terminal (as slow_main.py), whatever the test
     # runner's workers do with SIGINT (an ignored SIGINT is inherited).
     slow = ("import signal, sys, time\n"
@@ -306,15 +311,27 @@ def test_ctrl_c_during_the_teacher_cache_build_exits_130_and_the_rerun_builds_it
                        signal.SIGINT, RUN_TIMEOUT, "the cache build")
     out = log.read_text()
     assert rc == 130, out[-3000:]
-    assert "Traceback" not in out and out.rstrip().splitlines()[-1] == (
-        "interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint, or "
-        "start over where there is none"), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     assert "[teacher cache] stopped after " in out and " of 256 ex in " in out
+    # No cache folder and no temporary one beside it.
+    assert not [p for p in os.listdir(wd / "cache") if "teacher" in p], os.listdir(wd / "cache")
+    if build == "before":
+        assert out.rstrip().splitlines()[-1] == (
+            "interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint, "
+            "or start over where there is none"), out[-3000:]
+    else:
+        saved = re.search(r"interrupted \(Ctrl-C\): saved step (\d+); rerun the same command to "
+                          r"resume", out)
+        assert saved and 1 <= int(saved.group(1)) < 32, out[-3000:]
     res = _run(args, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout + res.stderr
-    assert "resumed from step" not in out and "stopped after" not in out, out[-3000:]
+    assert "stopped after" not in out, out[-3000:]
+    assert ("resumed from step" in out) == (build == "beside"), out[-3000:]
     assert "teacher per-token cache: yes (0.00 GB (float16) for 256 rows)" in out, out[-3000:]
+    built = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()
+             if "teacher_cache/rows" in x]
+    assert [b["teacher_cache/rows"] for b in built] == [256]   # built again, in full, once
     assert json.loads((wd / "summary.json").read_text())["steps"] == 40
 
 
