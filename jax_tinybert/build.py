@@ -663,10 +663,10 @@ def build_run(config, workdir: str) -> Run:
         def builder(beside: bool = False):
             if not (beside and builds_beside(config, token_dtype)):
                 return make()
-            # The order of the steps left: the batcher is at the run's (restored) position.
-            return teacher_stream.StreamingCache(
-                lambda live: make(live, teacher_stream.steps_order(data.train_batches, total)),
-                token_dtype)
+            # The order of the steps left, read here, before the steps move the batcher on from
+            # the run's (restored) position.
+            order = teacher_stream.steps_order(data.train_batches, total)
+            return teacher_stream.StreamingCache(lambda live: make(live, order), token_dtype)
 
         def spec(batch):
             return teacher_cache.lookup_spec(models, obj, batch, token_dtype)

@@ -8,8 +8,9 @@ idle core. The pass then forwards the rows in the order the steps read them
 (`StreamingCache.lookup`). What the cache holds, its fingerprint and its files are those of a
 build before the steps (teacher_cache.build); only the order of the rows in the files differs.
 
+    order = steps_order(batcher, num_steps)        # before the steps take a batch
     cache = StreamingCache(lambda live: teacher_cache.build_for_training(..., live=live,
-                                                                         order=steps_order(...)))
+                                                                         order=order), dtype)
     batch.update(cache.lookup(batch["example_id"], seq_len=T))   # waits for its rows
     cache = cache.result()                                      # the finished TeacherCache
 """

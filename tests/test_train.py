@@ -332,6 +332,32 @@ def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypat
     np.testing.assert_allclose([by_step[i] for i in range(1, 8)], whole, rtol=1e-6)
 
 
+def test_the_build_beside_the_steps_follows_them_from_the_runs_position(tmp_path, monkeypatch):
+    """The order the build follows is read when the run asks for its cache, not when the build
+    thread gets to it: by then the steps may have taken their first batch."""
+    from jax_tinybert import teacher_cache, teacher_stream
+
+    cfg, _ = _tiny_intermediate(tmp_path)
+    run = build.build_run(build.with_defaults(cfg(7, cache_dtype="float32")),
+                          str(tmp_path / "w"))
+    started, orders = [], []
+
+    class Deferred:   # the thread's work, run only when the test says so
+        def __init__(self, make, token_dtype):
+            started.append(make)
+
+    def capture(*a, order=None, **k):
+        orders.append([r.tolist() for _, r in order])
+
+    monkeypatch.setattr(teacher_stream, "StreamingCache", Deferred)
+    monkeypatch.setattr(teacher_cache, "build_for_training", capture)
+    plan = run.data.train_batches.epoch_plan(0)
+    run.ensure_cache(beside=True)
+    next(run.data.train_batches)            # the first step takes its batch
+    started[0](teacher_stream.Live("float32"))   # ... before the build thread starts
+    assert orders == [[r.tolist() for r in plan.rows]]   # from the first step on
+
+
 class _DevBatches:
     """Two dev batches of 3 rows each (the last row of the second a filler, example_id -1)."""
 
