@@ -833,8 +833,7 @@ def _ordered_row_batches(ds, order: Iterable[Tuple[int, np.ndarray]], rows: Opti
             break
         ids = np.asarray(ids, np.int64)
         g = g or len(ids)
-        ids = ids[ids >= 0]
-        ids = ids[np.sort(np.unique(ids, return_index=True)[1])]   # once each, in order
+        ids = ids[ids >= 0]   # a step's rows are distinct (a slice of the epoch's permutation)
         ids = ids[wanted[ids] & ~done[ids]]
         done[ids] = True
         left -= len(ids)
