@@ -213,10 +213,19 @@ class TeacherCache:
     def fingerprint(self) -> dict:
         return self.meta["fingerprint"]
 
+    def close(self) -> None:
+        """Drops the memory maps of its files; a lookup afterwards raises CacheError. The pages
+        of a deleted file are freed when its last map goes: by the thread that calls this
+        (train.py deletes a finished run's GBs beside its export)."""
+        self.fields, self.token_fields, self.token_index = {}, {}, None
+        self.filled = None
+
     def lookup(self, example_ids, seq_len: Optional[int] = None) -> Dict[str, np.ndarray]:
         """{field: [b, ...]} for a batch's example ids: float32, per-token fields in the cache's
         dtype (float16 by default). Per-token fields need every real row cached at one length,
         `seq_len` (the batch's T) when given."""
+        if self.filled is None:
+            raise CacheError(f"teacher cache {self.path}: closed")
         ids = np.asarray(example_ids, np.int64).reshape(-1)
         real = ids >= 0
         if np.any(ids >= self.num_examples):

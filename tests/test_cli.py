@@ -466,6 +466,42 @@ def test_a_full_disk_while_exporting_is_one_line_and_the_rerun_finishes(cli):
     assert "resumed from step 2" in r.stdout and (d / "runs" / "e" / "export").is_dir()
 
 
+def test_a_finished_run_exits_after_its_atexit_handlers_with_its_output_flushed(cli):
+    """A command that finished ends without the interpreter's teardown (main._exit_finished):
+    the atexit handlers still run and what they print still comes out; the finalizers of the
+    objects left are skipped. With another non-daemon thread still running, the process ends
+    the normal way, once that thread is done."""
+    d, run = cli
+    script = ("import atexit, os, sys, threading, time\n"
+              "from jax_tinybert import main\n"
+              "class Finalized:\n"
+              "    def __del__(self, _open=os.open, _close=os.close,\n"
+              "                _flags=os.O_CREAT | os.O_WRONLY):\n"
+              "        _close(_open('finalized', _flags))\n"
+              "left = Finalized()\n"
+              "atexit.register(lambda: sys.stdout.write('printed at exit, unflushed'))\n"
+              "def late():   # still running when the command is done\n"
+              "    while not os.path.exists(os.environ['LATE_THREAD']):\n"
+              "        time.sleep(0.05)\n"
+              "    time.sleep(0.5)\n"
+              "    open('late', 'w').close()\n"
+              "if os.environ.get('LATE_THREAD'):\n"
+              "    threading.Thread(target=late).start()\n"
+              "sys.argv = ['jax-tinybert'] + sys.argv[1:]\n"
+              "main.run()\n")
+    for name, late in (("fast", ""), ("late", "runs/exit_late/summary.json")):
+        for f in ("finalized", "late"):
+            (d / f).unlink(missing_ok=True)
+        r = run(["-c", script, *_with(FINETUNE, [f"--workdir=runs/exit_{name}"])], module=None,
+                LATE_THREAD=late)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "[finetune_teacher] done in" in r.stdout, r.stdout[-2000:]
+        assert r.stdout.endswith("printed at exit, unflushed"), r.stdout[-300:]
+        assert (d / "late").exists() == bool(late)
+        # Finalizers run at a normal exit only: the one taken with a thread left.
+        assert (d / "finalized").exists() == bool(late)
+
+
 def test_a_diverging_run_stops_in_one_line_and_saves_no_nan(cli):
     """A learning rate far too high: the loss turns NaN between two logged steps. The run stops
     with one line naming the metric, the step and the fix, exit 2, and every checkpoint it

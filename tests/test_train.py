@@ -552,3 +552,30 @@ def test_checkpoint_seconds_thins_the_periodic_saves(tmp_path, caplog, seconds, 
     got = sorted(int(n) for n in os.listdir(tmp_path / "w" / "checkpoints") if n.isdigit())
     assert got == steps
     assert ("at least 1e+06 s apart" in caplog.text) == (seconds > 0)
+
+
+def test_a_run_failing_after_its_last_step_deletes_its_token_cache_and_the_rerun_exports(
+        tmp_path, monkeypatch):
+    """The per-token cache of a run whose steps are done is deleted beside the export: when
+    the export then fails, the run raises with no deleting thread left and no cache on disk,
+    and the rerun (nothing left to train) exports without building it again."""
+    import threading
+
+    cfg, _ = _tiny_intermediate(tmp_path)
+    c = cfg(7)   # auto: 7 steps are over two epochs, the teacher's per-token outputs cached
+    c.export.enabled = True
+    wd = tmp_path / "run"
+
+    def export_hf(*a, **k):
+        raise OSError(28, "No space left on device", str(wd / "export"))
+
+    monkeypatch.setattr(train, "export_hf", export_hf)
+    with pytest.raises(OSError, match="No space left"):
+        train.train_and_evaluate(c, str(wd))
+    assert not [t for t in threading.enumerate() if t.name == "teacher-cache-drop"]
+    assert not (wd / "cache" / "teacher").exists()
+    assert len(_records(wd, "teacher_cache")) == 1
+    monkeypatch.undo()
+    summary = train.train_and_evaluate(c, str(wd))
+    assert summary["steps"] == 7 and os.path.isdir(summary["export"])
+    assert len(_records(wd, "teacher_cache")) == 1 and not (wd / "cache" / "teacher").exists()
