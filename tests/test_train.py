@@ -569,7 +569,14 @@ def test_a_run_failing_after_its_last_step_deletes_its_token_cache_and_the_rerun
     def export_hf(*a, **k):
         raise OSError(28, "No space left on device", str(wd / "export"))
 
+    rmtree = train.fs.rmtree
+
+    def slow_rmtree(path, *a, **k):   # the deletion still running when the export fails
+        time.sleep(0.5)
+        return rmtree(path, *a, **k)
+
     monkeypatch.setattr(train, "export_hf", export_hf)
+    monkeypatch.setattr(train.fs, "rmtree", slow_rmtree)
     with pytest.raises(OSError, match="No space left"):
         train.train_and_evaluate(c, str(wd))
     assert not [t for t in threading.enumerate() if t.name == "teacher-cache-drop"]
