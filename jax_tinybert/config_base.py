@@ -60,8 +60,9 @@ def base_config() -> ml_collections.ConfigDict:
         cache_tokens="auto",
         cache_dtype="float16",   # of the per-token cache: float16 (half the disk) | float32 (exact)
         cache_max_gb=32.0,       # auto/always: the per-token cache's size limit
-        # The per-token cache is written "beside" the first epoch's steps, in the order they
-        # read it (a step waits for its rows), or "before" the first step; auto = beside on CPU.
+        # The teacher cache is written "beside" the first epoch's steps, in the order they
+        # read it (a step waits for its rows), or "before" the first step; auto = beside on
+        # CPU where the pass can follow the steps (not a packed one: build.builds_beside).
         cache_build="auto",
     ))
     c.student = ml_collections.ConfigDict(dict(

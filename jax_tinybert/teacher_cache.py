@@ -660,7 +660,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         fingerprint.update(buckets=list(buckets), token_dtype=str(token_dtype),
                            hidden_layers=list(obj.teacher_hidden_layers),
                            attention_layers=list(attn_layers))
-    rows = rows_to_cache(data.train_batches, ds, num_steps)
+    rows, lengths, plan = _pass_plan(obj, data, token_dtype, num_steps)
     if rows is not None:
         # Which rows is part of what the cache holds: another step count or seed rebuilds it.
         fingerprint["rows"] = arrays_fingerprint(rows)
@@ -668,10 +668,6 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
                  num_steps, len(rows), n)
     name = "teacher" if jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
     path = fs.join(workdir, "cache", name)
-
-    # A forward of one output per example packs short examples several to a row.
-    lengths = np.asarray(ds.lengths)[slice(None) if rows is None else rows]
-    plan = packing_plan(lengths, buckets) if _reads_cls_only(obj, token_dtype) else None
 
     def batches():   # asked for only when the cache is built here
         if plan is None and order is not None:
@@ -719,6 +715,27 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         store.publish(cache, share_fp, fields=["teacher_logits"] if token_fields else None)
     cache.fields = _step_fields(cache.fields, token_dtype)
     return cache
+
+
+def _pass_plan(obj, data, token_dtype: Optional[str], num_steps: Optional[int]):
+    """(rows, lengths, plan) of `build_for_training`'s pass: the rows it caches
+    (`rows_to_cache`; None = all), their lengths int [R], and the `packing_plan` of a forward
+    that reads one output per example (None: unpacked, each row at its bucket's length)."""
+    ds = data.train_dataset
+    rows = rows_to_cache(data.train_batches, ds, num_steps)
+    lengths = np.asarray(ds.lengths)[slice(None) if rows is None else rows]
+    buckets = getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
+    plan = packing_plan(lengths, buckets) if _reads_cls_only(obj, token_dtype) else None
+    return rows, lengths, plan
+
+
+def follows_steps(obj, data, token_dtype: Optional[str], num_steps: Optional[int]) -> bool:
+    """Whether `build_for_training(..., order=)` forwards the rows in the order of the steps
+    that read them, as a build beside the steps (teacher_stream.py) needs so that a step finds
+    its rows written: a per-token cache always; a cache of logits / [CLS] rows when its
+    examples are not packed (`packing_plan`: MRPC's pairs are not; SST-2's short sentences are,
+    several to a row in no step's order, and would all be waited for by the first step)."""
+    return _pass_plan(obj, data, token_dtype, num_steps)[2] is None
 
 
 def _step_fields(fields: Dict[str, Any], token_dtype: Optional[str]) -> Dict[str, Any]:

