@@ -7,6 +7,8 @@ idle core. The pass then forwards the rows in the order the steps read them
 (`steps_order`), and a step whose rows are not written yet waits for them
 (`StreamingCache.lookup`). What the cache holds, its fingerprint and its files are those of a
 build before the steps (teacher_cache.build); only the order of the rows in the files differs.
+A prediction stage's cache of teacher logits is built so too where its pass is not packed
+(`teacher_cache.follows_steps`; MRPC without a teacher store entry: 2.3 s of a 68 s epoch).
 
     order = steps_order(batcher, num_steps)        # before the steps take a batch
     cache = StreamingCache(lambda live: teacher_cache.build_for_training(..., live=live,
