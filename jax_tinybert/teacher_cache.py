@@ -447,9 +447,11 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         fields = {}
         for k, arr in files.items():
             arr.flush()
-            del arr
             fields[k] = _file_info(os.path.join(tmp, k + ".npy"))
-        files.clear()
+        if live is None:
+            files.clear()
+        # else the steps still read these maps (Live.view) until the finished cache replaces
+        # the build, after this returns: they stay valid through the folder's rename.
         np.save(os.path.join(tmp, FILLED), filled)
         meta = {"version": VERSION,
                 "fingerprint": _normalise(dict(fingerprint, num_examples=int(num_examples))),

@@ -72,6 +72,10 @@ class Live:
         with self.cond:
             self.parts = dict(folder=folder, num_examples=num_examples, fields=fields,
                               filled=filled, tokens=tokens)
+            # Opened now, while `folder` has its temporary name: a first lookup after the
+            # build's rename (a short pass, done before the first step) finds them open.
+            for k in tokens.names:
+                self._files[k] = _GrowingFile(os.path.join(folder, k + ".bin"), tokens.dtype)
 
     def fill(self, filled: np.ndarray, ids: np.ndarray) -> None:
         """Marks rows `ids` written (their bytes flushed to the files) and wakes the readers."""
@@ -86,9 +90,6 @@ class Live:
     def view(self) -> tc.TeacherCache:
         """The rows written so far as a `TeacherCache` (lookups of unwritten rows fail)."""
         p, tok = self.parts, self.parts["tokens"]
-        for k in tok.names:
-            if k not in self._files:
-                self._files[k] = _GrowingFile(os.path.join(p["folder"], k + ".bin"), tok.dtype)
         return tc.TeacherCache.building(
             p["folder"], p["num_examples"], tc._step_fields(dict(p["fields"]), self.token_dtype),
             p["filled"], dict(self._files), tok.index if tok.names else None, tok.row_shapes)
@@ -97,6 +98,7 @@ class Live:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self.parts = None   # the build's maps, read until it was done
 
 
 class StreamingCache:

@@ -205,12 +205,8 @@ def test_stop_ends_the_build_and_removes_its_folder(tmp_path, small, gated):
         stream.result()
 
 
-def test_a_logits_cache_built_beside_the_steps_follows_them_and_holds_what_one_before_holds(
-        tmp_path, small, monkeypatch):
-    """The prediction stage's cache (teacher logits, one row per example) built beside the
-    steps: its rows are written in the steps' order, each lookup gets what a build before the
-    steps holds, and the finished cache is that build's. `follows_steps` says which passes can
-    be built so: not a packed one (several examples a row, in no step's order)."""
+def _pred(small):
+    """(objective, models) of a prediction stage over the tiny teacher: a cache of its logits."""
     from jax_tinybert import objectives
 
     t_cfg = small.model.config
@@ -219,6 +215,16 @@ def test_a_logits_cache_built_beside_the_steps_follows_them_and_holds_what_one_b
     models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
                                    teacher_config=t_cfg,
                                    tokenizer_dir=test_teacher_cache._TOKENIZER_DIR())
+    return obj, models
+
+
+def test_a_logits_cache_built_beside_the_steps_follows_them_and_holds_what_one_before_holds(
+        tmp_path, small, monkeypatch):
+    """The prediction stage's cache (teacher logits, one row per example) built beside the
+    steps: its rows are written in the steps' order, each lookup gets what a build before the
+    steps holds, and the finished cache is that build's. `follows_steps` says which passes can
+    be built so: not a packed one (several examples a row, in no step's order)."""
+    obj, models = _pred(small)
     data = types.SimpleNamespace(train_dataset=small.ds, train_batches=_train(small.ds))
     spe = data.train_batches.steps_per_epoch
     monkeypatch.setattr(tc, "PACK_GAIN", 1e9)   # packing always pays: not in the steps' order
@@ -257,3 +263,51 @@ def test_a_logits_cache_built_beside_the_steps_follows_them_and_holds_what_one_b
                                before.lookup(np.arange(len(small.ds)))["teacher_logits"],
                                rtol=1e-6, atol=1e-6)
     assert not [p for p in os.listdir(tmp_path / "beside" / "cache") if p != "teacher"]
+
+
+@pytest.mark.parametrize("kind", ["logits", "tokens"])
+def test_a_first_lookup_after_the_pass_before_the_builds_end_reads_every_field(
+        tmp_path, small, monkeypatch, kind):
+    """Every row written and the folder published under its final name, the build not yet
+    returned: a first lookup there gets every field of the rows. It once got none of a logits
+    cache's fields (the build had dropped its maps: the step failed for want of the teacher's
+    logits), and a per-token cache's files were looked for under the temporary name."""
+    if kind == "logits":
+        (obj, models), dtype, fields = _pred(small), None, {"teacher_logits"}
+        monkeypatch.setattr(tc, "PACK_GAIN", 0.0)
+    else:
+        obj, models, _, _ = _intermediate(small)
+        dtype, fields = "float32", {"teacher_attn", "teacher_hidden"}
+    data = types.SimpleNamespace(train_dataset=small.ds, train_batches=_train(small.ds))
+    spe = data.train_batches.steps_per_epoch
+    kw = dict(num_steps=2 * spe, token_dtype=dtype)
+    before = tc.build_for_training(models, obj, data, str(tmp_path / "before"), **kw)
+    published, go = threading.Event(), threading.Event()
+    publish = tc.fs.publish_dir
+
+    def held(*a, **k):   # the pass is over and its folder renamed; the build returns later
+        out = publish(*a, **k)
+        published.set()
+        assert go.wait(30)
+        return out
+
+    monkeypatch.setattr(tc.fs, "publish_dir", held)
+    order = ts.steps_order(data.train_batches, 2 * spe)
+    stream = ts.StreamingCache(lambda live: tc.build_for_training(
+        models, obj, data, str(tmp_path / "beside"), live=live, order=order, **kw), dtype)
+    it = _train(small.ds)
+    try:
+        assert published.wait(30)
+        assert not os.path.exists(stream.live.parts["folder"])   # renamed
+        for _ in range(spe):
+            b = next(it)
+            T = b["input_ids"].shape[1]
+            got = stream.lookup(b["example_id"], seq_len=T)
+            want = before.lookup(b["example_id"], seq_len=T)
+            assert set(got) == set(want) == fields
+            for k in want:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
+    finally:
+        go.set()
+    stream.result()
+    assert stream.live.parts is None   # the build's maps are let go with it
