@@ -445,13 +445,11 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
             log.warning("teacher cache %s: %d of %d examples not covered by the batches; "
                         "looking them up will fail", path, n_missing, expected)
         fields = {}
+        # The maps stay open: the steps of a build beside them read them (Live.view) until the
+        # finished cache replaces the build, and they stay valid through the folder's rename.
         for k, arr in files.items():
             arr.flush()
             fields[k] = _file_info(os.path.join(tmp, k + ".npy"))
-        if live is None:
-            files.clear()
-        # else the steps still read these maps (Live.view) until the finished cache replaces
-        # the build, after this returns: they stay valid through the folder's rename.
         np.save(os.path.join(tmp, FILLED), filled)
         meta = {"version": VERSION,
                 "fingerprint": _normalise(dict(fingerprint, num_examples=int(num_examples))),
@@ -652,7 +650,7 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         "layers": list(getattr(obj, "teacher_cls_layers", ()) or ()),
         "objective": getattr(obj, "name", None),
     }
-    buckets = getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
+    buckets = _train_buckets(data)
     token_fields: Tuple[str, ...] = ()
     attn_layers: Tuple[int, ...] = ()
     if token_dtype:
@@ -726,9 +724,14 @@ def _pass_plan(obj, data, token_dtype: Optional[str], num_steps: Optional[int]):
     ds = data.train_dataset
     rows = rows_to_cache(data.train_batches, ds, num_steps)
     lengths = np.asarray(ds.lengths)[slice(None) if rows is None else rows]
-    buckets = getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
-    plan = packing_plan(lengths, buckets) if _reads_cls_only(obj, token_dtype) else None
+    plan = (packing_plan(lengths, _train_buckets(data)) if _reads_cls_only(obj, token_dtype)
+            else None)
     return rows, lengths, plan
+
+
+def _train_buckets(data) -> Tuple[int, ...]:
+    """The length buckets of `data`'s train batches (batching.DEFAULT_BUCKETS without any)."""
+    return getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
 
 
 def follows_steps(obj, data, token_dtype: Optional[str], num_steps: Optional[int]) -> bool:
