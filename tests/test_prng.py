@@ -25,3 +25,25 @@ def test_threefry_bits_are_jax_random_bits(shape):
         want = np.asarray(jax.random.bits(key, shape, jnp.uint32))
         got = jax.jit(prng.threefry_bits, static_argnums=1)(jax.random.key_data(key), shape)
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.skipif(not jax.config.jax_threefry_partitionable,
+                    reason="threefry_bits gives the words of JAX's partitionable threefry")
+def test_a_programs_draws_of_one_shape_are_traced_once(monkeypatch):
+    # A train step draws ~14 dropout masks of 2-3 shapes; each shape's hash is traced and
+    # lowered once (prng._bits_of), not once per draw. Shapes no other test uses, so that no
+    # earlier trace is reused.
+    traced = []
+    real = prng.threefry_hash
+    monkeypatch.setattr(prng, "threefry_hash", lambda *a: traced.append(1) or real(*a))
+    keys = [jax.random.fold_in(jax.random.key(7), i) for i in range(4)]
+    shapes = [(3, 5, 11), (3, 5, 11), (3, 5, 11), (13, 2)]
+
+    def draws(datas):
+        return [prng.threefry_bits(d, s) for d, s in zip(datas, shapes)]
+
+    got = jax.jit(draws)([jax.random.key_data(k) for k in keys])
+    assert len(traced) == 2
+    for g, k, s in zip(got, keys, shapes):   # the draws still differ by key, as JAX's
+        np.testing.assert_array_equal(np.asarray(g),
+                                      np.asarray(jax.random.bits(k, s, jnp.uint32)))

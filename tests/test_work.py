@@ -113,3 +113,26 @@ def test_programs_compiled_ahead_report_the_flops_of_their_calls():
     assert step.work.flops == total and step.work.calls == 5
     assert re.fullmatch(r"toy step 2 of 2 programs \(5 of 5 calls; [\d.]+ [\d.]+ s; "
                         + re.escape(work.fmt(total)) + r"\)", line), line
+
+
+def test_a_program_on_one_cpu_device_is_counted_compiled_and_as_its_lowered_form():
+    """`counted_program`: the compiled program (its analysis needs no HLO conversion) where it
+    runs on one CPU device, with the lowered form's count of a matmul; a partitioned program
+    (its analysis is one device's share) and one with no shardings to read count lowered."""
+    import types
+
+    f = jax.jit(lambda a, b: a @ b)
+    a, b = np.ones((48, 20), np.float32), np.ones((20, 36), np.float32)
+    low = f.lower(a, b)
+    compiled = low.compile()
+    assert work.counted_program(low, compiled) is compiled
+    assert work.program_flops(compiled) == 2 * 48 * 20 * 36
+    class Device:   # a second CPU device, as --xla_force_host_platform_device_count=2 has
+        platform = "cpu"
+
+    two = types.SimpleNamespace(
+        input_shardings=[types.SimpleNamespace(device_set={jax.devices("cpu")[0], Device()})],
+        output_shardings=[])
+    assert work.counted_program(low, two) is low
+    assert work.counted_program(low, object()) is low
+    assert work.counted_program(low, None) is low
