@@ -105,12 +105,15 @@ class Work:
 
     def add(self, key: Hashable, lower: Optional[Callable[[], Any]] = None) -> None:
         """One call of the program `key`. Not analysed (nor deferred) yet: `lower()` -> its
-        Lowered is (after the call has compiled it, a jitted function's `lower` is a cache hit);
+        Lowered is (after the call has compiled it, a jitted function's `lower` and the
+        Lowered's `compile` are cache hits: the form `counted_program` picks is counted);
         without `lower` the call has no count."""
         with self._lock:
             seen = key in self._per_program or key in self._deferred
         if not seen and lower is not None:
-            self.analyse(key, lower())
+            lowered = lower()
+            compile_ = getattr(lowered, "compile", None)
+            self.analyse(key, counted_program(lowered, compile_() if compile_ else None))
         with self._lock:
             self._calls[key] = self._calls.get(key, 0) + 1
 

@@ -69,9 +69,14 @@ def test_progress_closing_line_takes_a_note(monkeypatch):
         "[teacher cache] 100 ex in 4s (25 ex/s; 1.00 TFLOP, 250 GFLOP/s)"
 
 
-def test_teacher_pass_counts_the_flops_of_its_forwards(tmp_path):
+def test_teacher_pass_counts_the_flops_of_its_forwards(tmp_path, monkeypatch):
     """A forward of one [b, T] x [T, 3] product per batch: the pass's FLOPs are the sum of
-    2 b T 3 over its batches, whatever the threads that ran them (two at once on CPU)."""
+    2 b T 3 over its batches, whatever the threads that ran them (two at once on CPU), counted
+    on one CPU device from the compiled forwards (no lowered module converted to HLO again)."""
+    converted = []
+    real = jax.stages.Lowered.cost_analysis
+    monkeypatch.setattr(jax.stages.Lowered, "cost_analysis",
+                        lambda self: converted.append(self) or real(self))
     @jax.jit
     def forward(w, ids, mask, types):
         # float ids: XLA counts a convert (or any elementwise op) as a FLOP per element.
@@ -92,6 +97,7 @@ def test_teacher_pass_counts_the_flops_of_its_forwards(tmp_path):
         cache.lookup(np.arange(8))["teacher_logits"],
         np.repeat(batches[0]["input_ids"].sum(1, keepdims=True), 3, 1))
     assert cache.build_stats["flops"] == sum(2 * b * T * 3 for b, T in shapes)
+    assert converted == []
     # A forward that is not jitted has no count: none is reported, nothing fails.
     plain = teacher_cache.build(str(tmp_path / "plain"), {"t": 2}, forward.__wrapped__, w,
                                 batches, n)
