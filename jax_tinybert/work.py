@@ -2,12 +2,13 @@
 
 A run reports how fast it went in examples/s; what the hardware could have given is a FLOP
 rate. `program_flops(lowered)` is XLA's count for one call of a program (the unoptimised HLO:
-every dot 2 M N K, so the same count on every backend; on one CPU device the compiled program's
-count, `counted_program`, within 0.3% of it and ~15x cheaper), and `Work` adds it up over the calls a
-phase makes, from any thread, analysing each program once. The teacher's cache pass and the
-compiled-ahead train and eval steps report theirs (`[teacher cache] ... (5.21 TFLOP, 137
-GFLOP/s)`, `compiled ahead: ...`), and benchmarks/epoch.py turns them into each epoch's achieved
-rate and the speed-up that epoch could reach at the machine's best matmul rate.
+every dot 2 M N K, so the same count on every backend; on one CPU device the compiled
+program's, `counted_program`: within 0.3% of it and ~15x cheaper), and `Work` adds it up over
+the calls a phase makes, from any thread, analysing each program once. The teacher's cache
+pass and the compiled-ahead train and eval steps report theirs (`[teacher cache] ... (5.21
+TFLOP, 137 GFLOP/s)`, `compiled ahead: ...`), and benchmarks/epoch.py turns them into each
+epoch's achieved rate and the speed-up that epoch could reach at the machine's best matmul
+rate.
 """
 from __future__ import annotations
 
@@ -112,8 +113,10 @@ class Work:
             seen = key in self._per_program or key in self._deferred
         if not seen and lower is not None:
             lowered = lower()
-            compile_ = getattr(lowered, "compile", None)
-            self.analyse(key, counted_program(lowered, compile_() if compile_ else None))
+            # Asked for on the CPU only, where it is known to be a cache hit after the call
+            # (elsewhere counted_program would not pick it anyway).
+            cpu = jax.default_backend() == "cpu" and hasattr(lowered, "compile")
+            self.analyse(key, counted_program(lowered, lowered.compile() if cpu else None))
         with self._lock:
             self._calls[key] = self._calls.get(key, 0) + 1
 
