@@ -581,10 +581,10 @@ def builds_beside(config, follows_steps: Callable[[], bool]) -> bool:
     before the first: teacher.cache_build, 'auto' = on CPU when the pass forwards the rows in
     the steps' order (`follows_steps()`, asked only then: `teacher_cache.follows_steps`).
     There the steps leave ~0.2 of the two cores idle that the pass fills, and the first step
-    no longer waits for the whole pass
-    (MRPC, benchmarks/RESULTS.md: the first intermediate epoch 2.9 s shorter, session 43; the
-    prediction epoch without a teacher store 2.3 s, session 45). A packed pass (SST-2's
-    prediction stage) is in no step's order: its first step would wait for nearly all of it."""
+    no longer waits for the whole pass (MRPC, benchmarks/RESULTS.md: the first intermediate
+    epoch 2.9 s shorter, session 43; the prediction epoch without a teacher store 2.3 s,
+    session 45). A packed pass (SST-2's prediction stage) is in no step's order: its first
+    step would wait for nearly all of it."""
     mode = config.teacher.cache_build
     if mode == "auto":
         return jax.default_backend() == "cpu" and follows_steps()
