@@ -15,8 +15,8 @@ import numpy as np
 
 from jax_tinybert import fs
 from jax_tinybert.errors import PathError, UserError
-from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, ConfigError,
-                                   init_classifier, init_params)
+from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, init_classifier,
+                                   init_params)
 
 log = logging.getLogger(__name__)
 

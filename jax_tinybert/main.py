@@ -254,9 +254,12 @@ def _exit_finished() -> None:
 
     others = [t for t in threading.enumerate()
               if t is not threading.main_thread() and not t.daemon and t.is_alive()]
-    if others or jax.process_count() != 1:
+    # CPython's own call for the handlers (private, in every CPython 3); elsewhere the normal
+    # exit runs them.
+    run_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if others or jax.process_count() != 1 or run_handlers is None:
         return
-    atexit._run_exitfuncs()
+    run_handlers()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

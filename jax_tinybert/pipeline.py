@@ -18,7 +18,7 @@ import numpy as np
 from jax_tinybert import config_base, train, workdir_lock
 from jax_tinybert.data import synthetic
 from jax_tinybert.hf import load_pretrained
-from jax_tinybert.modeling import BertForSequenceClassification, count_params
+from jax_tinybert.modeling import BertForSequenceClassification
 
 
 def apply_overrides(c: ml_collections.ConfigDict, overrides: Dict[str, object]):

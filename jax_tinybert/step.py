@@ -10,7 +10,7 @@ the gradient program.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import flax.linen as nn
 import jax

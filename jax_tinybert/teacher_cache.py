@@ -138,33 +138,38 @@ class TeacherCache:
     """
 
     def __init__(self, path: str, verify: bool = True, local: Optional[str] = None):
-        self.path = path
         # np.memmap needs local files: a cache in a bucket is read from a downloaded copy
         # (`local`: one the caller already has, e.g. the folder it was just built in).
-        self.local_dir = local or fs.local_mirror(path)
-        self.build_stats: Optional[Dict[str, float]] = None   # set by `build`: rate, seconds
+        self.path, self.local_dir = path, local or fs.local_mirror(path)
         meta_path = fs.join(path, META)
         try:
             with open(os.path.join(self.local_dir, META)) as fh:
-                self.meta = json.load(fh)
+                meta = json.load(fh)
         except (OSError, json.JSONDecodeError) as e:
             raise CacheError(f"{meta_path}: unreadable ({type(e).__name__}: {e})") from e
-        if self.meta.get("version") != VERSION:
-            raise CacheError(f"{path}: cache format version {self.meta.get('version')} != {VERSION}")
-        self.num_examples = int(self.meta["num_examples"])
-        self.fields: Dict[str, np.ndarray] = {}
-        for name, info in self.meta["fields"].items():
-            self.fields[name] = self._open(name + ".npy", info, verify)
-        self.filled = self._open(FILLED, self.meta["filled_file"], verify)
-        if int(self.filled.sum()) != int(self.meta["filled"]):
+        if meta.get("version") != VERSION:
+            raise CacheError(f"{path}: cache format version {meta.get('version')} != {VERSION}")
+        fields = {name: self._open(name + ".npy", info, verify)
+                  for name, info in meta["fields"].items()}
+        filled = self._open(FILLED, meta["filled_file"], verify)
+        if int(filled.sum()) != int(meta["filled"]):
             raise CacheError(f"{path}: {FILLED} does not match meta.json")
-        self.token_fields: Dict[str, np.ndarray] = {}
-        self.token_index: Optional[np.ndarray] = None
-        tok = self.meta.get("token_fields") or {}
-        for name, info in tok.items():
-            self.token_fields[name] = self._open_raw(name + ".bin", info, verify)
-        if tok:
-            self.token_index = self._open(TOKEN_INDEX, self.meta["token_index_file"], verify)
+        tok = meta.get("token_fields") or {}
+        token_fields = {name: self._open_raw(name + ".bin", info, verify)
+                        for name, info in tok.items()}
+        token_index = self._open(TOKEN_INDEX, meta["token_index_file"], verify) if tok else None
+        self._hold(path, self.local_dir, meta, int(meta["num_examples"]), fields, filled,
+                   token_fields, token_index)
+
+    def _hold(self, path: str, local_dir: str, meta: dict, num_examples: int,
+              fields: Dict[str, Any], filled: np.ndarray, token_fields: Dict[str, Any],
+              token_index: Optional[np.ndarray]) -> None:
+        """The state a lookup reads, for an opened cache and for one being built alike."""
+        self.path, self.local_dir, self.meta = path, local_dir, meta
+        self.build_stats: Optional[Dict[str, float]] = None   # set by `build`: rate, seconds
+        self.num_examples = num_examples
+        self.fields, self.filled = fields, filled
+        self.token_fields, self.token_index = token_fields, token_index
 
     def _open_raw(self, fname: str, info: dict, verify: bool) -> np.ndarray:
         p, shown = os.path.join(self.local_dir, fname), fs.join(self.path, fname)
@@ -201,12 +206,9 @@ class TeacherCache:
         reads the rows written so far. fields: {name: array [N, ...]}; token_fields: {name:
         flat rows, sliceable like the memmap of a finished cache}; row_shapes: {name: {T: shape}}."""
         self = cls.__new__(cls)
-        self.path = self.local_dir = folder
-        self.build_stats = None
-        self.meta = {"token_fields": {k: {"row_shapes": v} for k, v in row_shapes.items()}}
-        self.num_examples = int(num_examples)
-        self.fields, self.filled = fields, filled
-        self.token_fields, self.token_index = token_fields, token_index
+        self._hold(folder, folder,
+                   {"token_fields": {k: {"row_shapes": v} for k, v in row_shapes.items()}},
+                   int(num_examples), fields, filled, token_fields, token_index)
         return self
 
     @property
@@ -759,13 +761,12 @@ def _training_forward(models, obj, token_dtype: Optional[str],
     """The forward a training run's cache is built with (see `build_for_training`);
     packed_segments: for the batches of `_packed_row_batches` (see `make_forward`)."""
     token_fields = tuple(obj.token_cache_fields) if token_dtype else ()
-    features = obj.teacher_features
-    if token_fields:
+    def with_logits(out):
         # The logits cost one pooler + classifier on the forward that runs anyway: stored so the
         # prediction stage after this one (same teacher, same data) reads them from the store.
-        def features(out):
-            return dict(obj.teacher_features(out), teacher_logits=out.logits)
-    return make_forward(models.teacher, features,
+        return dict(obj.teacher_features(out), teacher_logits=out.logits)
+
+    return make_forward(models.teacher, with_logits if token_fields else obj.teacher_features,
                         attention_layers=obj.teacher_attention_layers if token_fields else (),
                         token_fields=token_fields, token_dtype=token_dtype or "float32",
                         cls_only=_reads_cls_only(obj, token_dtype),
