@@ -153,6 +153,46 @@ def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size, dtype=
     return [compiled, state, tp, batch, [], compile_s]
 
 
+def alternate(sides, stages, lengths, rounds, models_and_params, batch_size, dtype="float32",
+              full_last_layer=False):
+    """Times each (stage, T)'s step built with `sides["baseline"]` and `sides["tree"]` (each
+    (BertForSequenceClassification, BertModel)) in alternating order, `rounds` steps each;
+    prints a line per (stage, T) -> its rows. full_last_layer: the baseline built without
+    `cls_only`."""
+    tcfg, tparams, scfg, sparams = models_and_params
+    rows = []
+    for stage in stages:
+        for T in lengths:
+            runs = {}
+            for k, m in sides.items():
+                full = k == "baseline" and full_last_layer
+                with every_objective_reads_tokens() if full else contextlib.nullcontext():
+                    runs[k] = make_step(stage, T, m, tcfg, tparams, scfg, sparams,
+                                        batch_size, dtype)
+            for i in range(rounds):
+                for k in (("baseline", "tree") if i % 2 == 0 else ("tree", "baseline")):
+                    compiled, state, tp, batch, ts, _ = runs[k]
+                    t0 = time.perf_counter()
+                    state, _ = compiled(state, tp, batch)
+                    jax.block_until_ready(state)
+                    ts.append(time.perf_counter() - t0)
+                    runs[k][1] = state
+            a, b = (statistics.median(runs[k][4]) for k in ("baseline", "tree"))
+            pairs = [x / y for x, y in zip(runs["baseline"][4], runs["tree"][4])]
+            print(f"{stage:20s} T={T:3d}: baseline {a:.3f} s  tree {b:.3f} s  speed-up {a / b:.3f}x"
+                  f"  paired median {statistics.median(pairs):.3f} "
+                  f"[{min(pairs):.2f}, {max(pairs):.2f}]", flush=True)
+            print(f"{'':20s}        compile: baseline {runs['baseline'][5]:.1f} s  tree "
+                  f"{runs['tree'][5]:.1f} s", flush=True)
+            rows.append({"stage": stage, "T": T, "baseline_s": a, "tree_s": b,
+                         "baseline_compile_s": runs["baseline"][5],
+                         "tree_compile_s": runs["tree"][5],
+                         "speedup": a / b, "paired_median": statistics.median(pairs),
+                         "baseline_times": runs["baseline"][4], "tree_times": runs["tree"][4]})
+            del runs
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline", default="HEAD~1",
@@ -180,36 +220,9 @@ def main(argv=None):
     sparams = st._random_params(scfg, 2)
     print(f"baseline = {args.baseline}, tree = working tree, {args.dtype}; {cpu_name()}",
           flush=True)
-    rows = []
-    for stage in args.stages.split(","):
-        for T in (int(x) for x in args.lengths.split(",")):
-            runs = {}
-            for k, m in sides.items():
-                full = k == "baseline" and args.baseline == FULL_LAST_LAYER
-                with every_objective_reads_tokens() if full else contextlib.nullcontext():
-                    runs[k] = make_step(stage, T, m, tcfg, tparams, scfg, sparams,
-                                        args.batch_size, args.dtype)
-            for i in range(args.rounds):
-                for k in (("baseline", "tree") if i % 2 == 0 else ("tree", "baseline")):
-                    compiled, state, tp, batch, ts, _ = runs[k]
-                    t0 = time.perf_counter()
-                    state, _ = compiled(state, tp, batch)
-                    jax.block_until_ready(state)
-                    ts.append(time.perf_counter() - t0)
-                    runs[k][1] = state
-            a, b = (statistics.median(runs[k][4]) for k in ("baseline", "tree"))
-            pairs = [x / y for x, y in zip(runs["baseline"][4], runs["tree"][4])]
-            print(f"{stage:20s} T={T:3d}: baseline {a:.3f} s  tree {b:.3f} s  speed-up {a / b:.3f}x"
-                  f"  paired median {statistics.median(pairs):.3f} "
-                  f"[{min(pairs):.2f}, {max(pairs):.2f}]", flush=True)
-            print(f"{'':20s}        compile: baseline {runs['baseline'][5]:.1f} s  tree "
-                  f"{runs['tree'][5]:.1f} s", flush=True)
-            rows.append({"stage": stage, "T": T, "baseline_s": a, "tree_s": b,
-                         "baseline_compile_s": runs["baseline"][5],
-                         "tree_compile_s": runs["tree"][5],
-                         "speedup": a / b, "paired_median": statistics.median(pairs),
-                         "baseline_times": runs["baseline"][4], "tree_times": runs["tree"][4]})
-            del runs
+    rows = alternate(sides, args.stages.split(","), [int(x) for x in args.lengths.split(",")],
+                     args.rounds, (tcfg, tparams, scfg, sparams), args.batch_size, args.dtype,
+                     full_last_layer=args.baseline == FULL_LAST_LAYER)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"baseline": args.baseline, "cpu": cpu_name(), "rounds": args.rounds,

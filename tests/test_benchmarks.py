@@ -255,6 +255,21 @@ def test_ab_modeling_full_last_layer_side_restores_the_objectives():
     assert "reads_tokens" not in O.REGISTRY["pkd"].__dict__   # inherited again, not pinned
 
 
+def test_mkl_attention_probe_names_what_it_needs_and_finds_its_line(tmp_path):
+    """Without MKL the probe exits non-zero with the install line; the attention-product line
+    it rewrites in modeling.py is there, once (MKL is not installed here: no timing)."""
+    import mkl_attention_probe as probe
+    from jax_tinybert import modeling
+
+    proc = subprocess.run([sys.executable, str(BENCH / "mkl_attention_probe.py"), "--mkl_lib",
+                           str(tmp_path / "libmkl_rt.so.2")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "no such file" in proc.stderr and "pip install mkl" in proc.stderr
+    assert not (tmp_path / "libmkl_rt.so.2").exists()
+    assert open(modeling.__file__).read().count(probe.EINSUM_LINE) == 1
+
+
 def test_xla_cpu_settings_smoke(tmp_path, monkeypatch, capsys):
     """Each setting runs the step in its own child under its XLA_FLAGS; a child that dies is
     reported as failed (here: a flag XLA does not know), never as a time."""
