@@ -761,6 +761,7 @@ def _training_forward(models, obj, token_dtype: Optional[str],
     """The forward a training run's cache is built with (see `build_for_training`);
     packed_segments: for the batches of `_packed_row_batches` (see `make_forward`)."""
     token_fields = tuple(obj.token_cache_fields) if token_dtype else ()
+
     def with_logits(out):
         # The logits cost one pooler + classifier on the forward that runs anyway: stored so the
         # prediction stage after this one (same teacher, same data) reads them from the store.

@@ -266,7 +266,6 @@ def test_mkl_attention_probe_names_what_it_needs_and_finds_its_line(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode != 0
     assert "no such file" in proc.stderr and "pip install mkl" in proc.stderr
-    assert not (tmp_path / "libmkl_rt.so.2").exists()
     assert open(modeling.__file__).read().count(probe.EINSUM_LINE) == 1
 
 
