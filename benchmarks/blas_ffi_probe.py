@@ -58,20 +58,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtbSgemm, Impl,
 """
 
 
+def build_ffi_library(source: str, name: str, link_args=()) -> str:
+    """Compiles `source`, a C++ XLA FFI handler, with g++ against jax.ffi.include_dir() into
+    lib`name`.so in a temporary folder (linked with `link_args`) -> the library's path."""
+    if not shutil.which("g++"):
+        sys.exit("error: needs g++ to build the FFI handler (apt-get install g++)")
+    tmp = tempfile.mkdtemp(prefix=f"jtb-{name}-")
+    src, so = os.path.join(tmp, name + ".cc"), os.path.join(tmp, f"lib{name}.so")
+    with open(src, "w") as f:
+        f.write(source)
+    subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+                    f"-I{jax.ffi.include_dir()}", src, "-o", so, *link_args], check=True)
+    return so
+
+
 def build_and_register() -> None:
     """Builds the handler, points it at numpy's OpenBLAS and registers `jtb_sgemm` (CPU)."""
     libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs",
                                   "libscipy_openblas64_*.so"))
-    if not shutil.which("g++") or not libs:
-        sys.exit("error: needs g++ and numpy's bundled OpenBLAS (numpy.libs/); install g++ "
-                 "(apt-get install g++) or use a numpy wheel from PyPI")
-    tmp = tempfile.mkdtemp(prefix="jtb-blas-")
-    src, so = os.path.join(tmp, "sgemm.cc"), os.path.join(tmp, "libjtbsgemm.so")
-    with open(src, "w") as f:
-        f.write(HANDLER)
-    subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
-                    f"-I{jax.ffi.include_dir()}", src, "-o", so], check=True)
-    blas, lib = ctypes.CDLL(libs[0]), ctypes.CDLL(so)
+    if not libs:
+        sys.exit("error: needs numpy's bundled OpenBLAS (numpy.libs/); use a numpy wheel from "
+                 "PyPI")
+    blas, lib = ctypes.CDLL(libs[0]), ctypes.CDLL(build_ffi_library(HANDLER, "jtbsgemm"))
     lib.jtb_set_sgemm(ctypes.cast(blas.scipy_cblas_sgemm64_, ctypes.c_void_p))
     jax.ffi.register_ffi_target("jtb_sgemm", jax.ffi.pycapsule(lib.JtbSgemm), platform="cpu")
 

@@ -12,7 +12,8 @@ four more such calls, and times, in one process:
      model against the same model with both attention products through MKL.
 The gradients are checked against jnp.einsum's first.
 
-MKL is not a dependency of the project; install its wheel (~195 MB) in a scratch environment:
+MKL is not a dependency of the project; install its wheel (~195 MB) in a scratch environment
+(MKL 2025 ships lib/libmkl_rt.so.2, MKL 2026 lib/libmkl_rt.so.3):
     python3 -m venv /tmp/mkl && /tmp/mkl/bin/pip install mkl
     .venv/bin/python benchmarks/mkl_attention_probe.py --mkl_lib /tmp/mkl/lib/libmkl_rt.so.2 \
         [--threads 2] [--stages pred,cached_pred --lengths 128 --rounds 4]
@@ -24,10 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,7 +62,7 @@ EINSUM_LINE = "                   else jnp.einsum)"
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mkl_lib", required=True, help="path of libmkl_rt.so.2 (see above)")
+    p.add_argument("--mkl_lib", required=True, help="path of libmkl_rt.so.2 or .so.3 (see above)")
     p.add_argument("--threads", type=int, default=2, choices=(1, 2))
     p.add_argument("--stages", default="pred,cached_pred")
     p.add_argument("--lengths", default="128")
@@ -73,27 +71,12 @@ def _args(argv=None):
     return p.parse_args(argv)
 
 
-def build_handler(mkl_lib: str, include_dir: str) -> str:
-    """Compiles HANDLER into a shared library linked to `mkl_lib` -> its path."""
-    if not shutil.which("g++"):
-        raise SystemExit("mkl_attention_probe: needs g++ (apt-get install g++)")
-    out = os.path.join(tempfile.mkdtemp(prefix="mkl_probe_"), "libmkl_bmm.so")
-    src = out[:-3] + ".cc"
-    with open(src, "w") as f:
-        f.write(HANDLER)
-    lib_dir = os.path.dirname(os.path.abspath(mkl_lib))
-    subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include_dir}", src,
-                    "-o", out, f"-L{lib_dir}", f"-l:{os.path.basename(mkl_lib)}",
-                    f"-Wl,-rpath,{lib_dir}"], check=True)
-    return out
-
-
 def main(argv=None):
     args = _args(argv)
     if not os.path.isfile(args.mkl_lib):
         raise SystemExit(f"mkl_attention_probe: --mkl_lib {args.mkl_lib}: no such file; "
                          "install MKL's wheel in a scratch venv (python3 -m venv /tmp/mkl && "
-                         "/tmp/mkl/bin/pip install mkl) and pass /tmp/mkl/lib/libmkl_rt.so.2")
+                         "/tmp/mkl/bin/pip install mkl) and pass /tmp/mkl/lib/libmkl_rt.so.*")
     # Read by MKL when it loads: before the handler's library is opened.
     if args.threads == 1:
         os.environ["MKL_THREADING_LAYER"] = "SEQUENTIAL"
@@ -107,10 +90,13 @@ def main(argv=None):
 
     import ab_modeling
     import step_throughput as st
+    from blas_ffi_probe import build_ffi_library
     from cpu_info import cpu_name
     from jax_tinybert import modeling
 
-    lib = ctypes.cdll.LoadLibrary(build_handler(args.mkl_lib, jax.ffi.include_dir()))
+    lib_dir = os.path.dirname(os.path.abspath(args.mkl_lib))
+    lib = ctypes.cdll.LoadLibrary(build_ffi_library(HANDLER, "mkl_bmm", (
+        f"-L{lib_dir}", f"-l:{os.path.basename(args.mkl_lib)}", f"-Wl,-rpath,{lib_dir}")))
     jax.ffi.register_ffi_target("mkl_bmm", jax.ffi.pycapsule(lib.MklBmm), platform="cpu")
 
     def bmm(a, b, ta=False, tb=False):

@@ -77,6 +77,7 @@ def test_teacher_pass_counts_the_flops_of_its_forwards(tmp_path, monkeypatch):
     real = jax.stages.Lowered.cost_analysis
     monkeypatch.setattr(jax.stages.Lowered, "cost_analysis",
                         lambda self: converted.append(self) or real(self))
+
     @jax.jit
     def forward(w, ids, mask, types):
         # float ids: XLA counts a convert (or any elementwise op) as a FLOP per element.
@@ -133,6 +134,7 @@ def test_a_program_on_one_cpu_device_is_counted_compiled_and_as_its_lowered_form
     compiled = low.compile()
     assert work.counted_program(low, compiled) is compiled
     assert work.program_flops(compiled) == 2 * 48 * 20 * 36
+
     class Device:   # a second CPU device, as --xla_force_host_platform_device_count=2 has
         platform = "cpu"
 
