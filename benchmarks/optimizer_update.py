@@ -12,6 +12,7 @@ table and the largest difference of the parameters the two reach after all round
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -72,7 +73,10 @@ def run(args) -> dict:
         grads = jax.tree_util.tree_map(
             lambda p: jnp.asarray(rng.standard_normal(p.shape, np.float32) * 1e-2), params)
         tx, schedule = optim.make_optimizer(OPT, 1000)
-        ours = step_lib.make_update_step(tx, schedule, OPT["pad_token_id"])
+        numbers = optim.schedule_numbers(OPT, 1000)
+        ours = functools.partial(step_lib.make_update_step(
+            functools.partial(optim.make_optimizer, OPT, 1000), OPT["pad_token_id"]),
+            numbers=numbers)
         ref, ref_tx = optax_update(schedule)
         fns = {"optax pieces": (jax.jit(ref, donate_argnums=(0,)), ref_tx),
                "jax_tinybert": (jax.jit(ours, donate_argnums=(0,)), tx)}

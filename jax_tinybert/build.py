@@ -463,7 +463,12 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
     one, e.g. teacher outputs cached) under `config` (optim, train.grad_accum, train.split_update
     with the run's `total_steps` and `num_buckets`, mesh.fsdp_min_size, student/teacher dropout).
     Params may be arrays or ShapeDtypeStructs: only shapes are read."""
-    tx, schedule = build_optimizer(config, total_steps)
+    opt_cfg = optimizer_config(config)
+    tx, schedule = optim.make_optimizer(opt_cfg, total_steps)
+    # The update program takes the schedule's numbers as arguments (optim.py), built into the
+    # same optimizer inside the trace.
+    optimizer = functools.partial(optim.make_optimizer, opt_cfg, total_steps)
+    numbers = shd.put_replicated(optim.schedule_numbers(opt_cfg, total_steps), mesh)
     key = jax.random.PRNGKey(0)
     proj = jax.eval_shape(objective.init_projection, key)
     abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, key),
@@ -481,16 +486,16 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
                                     student_dropout=config.student.dropout,
                                     chunk_tokens=chunks)
     accum = config.train.grad_accum
-    pad = optim.resolve(optimizer_config(config))["pad_token_id"]
+    pad = optim.resolve(opt_cfg)["pad_token_id"]
     if splits_update(config, total_steps, num_buckets):
         train_step = step_lib.jit_split_train_step(
             step_lib.make_grad_step(loss_fn, grad_accum=accum, mesh=mesh),
-            step_lib.make_update_step(tx, schedule, pad), state_sh, teacher_sh, mesh)
+            step_lib.make_update_step(optimizer, pad), state_sh, teacher_sh, mesh, numbers)
     else:
         train_step = step_lib.jit_train_step(
-            step_lib.make_train_step(loss_fn, tx, schedule, grad_accum=accum, mesh=mesh,
+            step_lib.make_train_step(loss_fn, optimizer, grad_accum=accum, mesh=mesh,
                                      pad_token_id=pad),
-            state_sh, teacher_sh, mesh)
+            state_sh, teacher_sh, mesh, numbers)
     eval_step = None
     if with_eval:
         eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(student),

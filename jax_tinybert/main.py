@@ -63,6 +63,10 @@ def _early_env() -> None:
     if root and not fs.env_off("JTB_COMPILE_CACHE"):
         to_jax["jax_compilation_cache_dir"] = os.environ.setdefault(
             "JAX_COMPILATION_CACHE_DIR", os.path.join(root, "xla"))
+        # JAX keeps only programs that took >= 1 s to compile: the optimizer's update (~1 s on
+        # 2 cores) and the dev evaluation's (~0.6 s a bucket) were compiled again by every run.
+        to_jax["jax_persistent_cache_min_compile_time_secs"] = float(os.environ.setdefault(
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
     # XLA's GPU defaults autotune every GEMM at compile time, ~2 min a program (xla_flags.py).
     flags = os.environ.get("XLA_FLAGS", "")
     fast = xla_flags.with_gpu_fast_compile(flags)

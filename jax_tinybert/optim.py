@@ -4,13 +4,21 @@
 the official "progress" form (progress = step / total_steps, warmup = a fraction of training), so
 `warmup_linear` peaks at step warmup * total_steps and reaches 0 at total_steps; step 0 has lr 0
 whenever there is a warmup (the official code evaluates the schedule before counting the step).
+
+The update program takes the schedule's numbers (`schedule_numbers`: peak lr, total steps,
+warmup ratio) as arguments, `make_optimizer(..., numbers=)` building the same optimizer from
+them inside the trace: written into the program as constants, a new learning rate, run length
+or batch size made a new program, so a rerun, a sweep or the next task compiled its update
+again (~1.6 s on the first step's path, RESULTS.md session 48) instead of finding it in the
+persistent compile cache.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 SCHEDULES = ("warmup_linear", "constant", "warmup_constant")
@@ -43,8 +51,9 @@ def shared_defaults() -> dict:
 
 # ----------------------------------------------------------------------------- schedules
 
-def schedule_factor(name: str, progress, warmup: float):
-    """Multiplier of the peak lr at `progress` = step / total_steps (scalar, jnp or float).
+def schedule_factor(name: str, progress, warmup):
+    """Multiplier of the peak lr at `progress` = step / total_steps (scalar, jnp or float;
+    `warmup` too: a traced number in the update program).
 
     warmup_linear: progress / warmup during warmup, then (progress - 1) / (warmup - 1) clipped at
     0 (the official BertAdam `warmup_linear`); warmup_constant: progress / warmup, then 1;
@@ -53,8 +62,9 @@ def schedule_factor(name: str, progress, warmup: float):
     if name == "constant":
         return jnp.ones_like(jnp.asarray(progress, jnp.float32))
     progress = jnp.asarray(progress, jnp.float32)
-    warmup = max(float(warmup), 0.0)
-    up = progress / warmup if warmup > 0 else jnp.ones_like(progress)
+    warmup = jnp.maximum(jnp.asarray(warmup, jnp.float32), 0.0)
+    has_warmup = warmup > 0
+    up = jnp.where(has_warmup, progress / jnp.where(has_warmup, warmup, 1.0), 1.0)
     if name == "warmup_constant":
         after = jnp.ones_like(progress)
     elif name == "warmup_linear":
@@ -64,9 +74,7 @@ def schedule_factor(name: str, progress, warmup: float):
     return jnp.where(progress < warmup, up, after)
 
 
-def make_schedule(name: str, learning_rate: float, total_steps: Optional[int],
-                  warmup_ratio: float = 0.0) -> Callable[[Any], jax.Array]:
-    """step (int, 0-based count of updates already applied) -> learning rate (float32 scalar)."""
+def _check_schedule(name: str, total_steps: Optional[int], warmup_ratio: float) -> None:
     if name not in SCHEDULES:
         raise ValueError(f"optimizer schedule {name!r} unknown; expected one of {SCHEDULES}")
     if not 0.0 <= warmup_ratio < 1.0:
@@ -74,15 +82,36 @@ def make_schedule(name: str, learning_rate: float, total_steps: Optional[int],
     if name != "constant" and (total_steps is None or total_steps <= 0):
         raise ValueError(f"optimizer schedule {name!r} needs total_steps > 0, got {total_steps!r}"
                          " (or use schedule='constant')")
-    lr = float(learning_rate)
 
+
+def _schedule(name: str, learning_rate, total_steps, warmup_ratio) -> Callable[[Any], jax.Array]:
+    # The numbers may be Python floats or traced float32 scalars: the same expression either way.
     def schedule(step):
         if name == "constant":
-            return jnp.full((), lr, jnp.float32) + 0.0 * jnp.asarray(step, jnp.float32)
-        progress = jnp.asarray(step, jnp.float32) / float(total_steps)
-        return lr * schedule_factor(name, progress, warmup_ratio)
+            return (jnp.asarray(learning_rate, jnp.float32)
+                    + 0.0 * jnp.asarray(step, jnp.float32))
+        progress = jnp.asarray(step, jnp.float32) / jnp.asarray(total_steps, jnp.float32)
+        return learning_rate * schedule_factor(name, progress, warmup_ratio)
 
     return schedule
+
+
+def make_schedule(name: str, learning_rate: float, total_steps: Optional[int],
+                  warmup_ratio: float = 0.0) -> Callable[[Any], jax.Array]:
+    """step (int, 0-based count of updates already applied) -> learning rate (float32 scalar)."""
+    _check_schedule(name, total_steps, warmup_ratio)
+    return _schedule(name, float(learning_rate), float(total_steps or 1), float(warmup_ratio))
+
+
+def schedule_numbers(cfg, total_steps: Optional[int]) -> Dict[str, np.ndarray]:
+    """cfg's schedule as the update program takes it: {"learning_rate", "total_steps",
+    "warmup_ratio"}, float32 scalars (total_steps 1 for the constant schedule, which reads
+    none); `make_optimizer(cfg, total_steps, numbers=)` builds the optimizer from them."""
+    opt = resolve(cfg)
+    _check_schedule(opt["schedule"], total_steps, opt["warmup_ratio"] or 0.0)
+    return {"learning_rate": np.float32(opt["learning_rate"]),
+            "total_steps": np.float32(total_steps or 1),
+            "warmup_ratio": np.float32(opt["warmup_ratio"] or 0.0)}
 
 
 # ----------------------------------------------------------------------------- weight-decay mask
@@ -268,7 +297,7 @@ def resolve(cfg) -> dict:
     return {"name": name, **{k: _get(cfg, k, v) for k, v in defaults(name).items()}}
 
 
-def make_optimizer(cfg, total_steps: Optional[int]
+def make_optimizer(cfg, total_steps: Optional[int], numbers: Optional[Dict[str, Any]] = None
                    ) -> Tuple[optax.GradientTransformation, Callable[[Any], jax.Array]]:
     """cfg (dict/ConfigDict): name ("adamw" | "bertadam"), learning_rate, schedule
     ("warmup_linear" | "constant" | "warmup_constant"), warmup_ratio, weight_decay, b1, b2, eps,
@@ -276,12 +305,19 @@ def make_optimizer(cfg, total_steps: Optional[int]
     pad_token_id (default 0: that word-embedding row gets no gradient, as in PyTorch; None = off).
     A key that is absent takes the optimizer's default (`defaults(name)`); None turns clipping /
     pad_token_id off. total_steps: number of optimizer updates of the run (the official t_total).
+    numbers: `schedule_numbers(cfg, total_steps)`, or those traced in a program, for the
+    schedule's peak lr, length and warmup (default: cfg's and total_steps, as Python floats).
     Returns (tx, schedule: step -> lr). Weight decay skips biases and LayerNorm.
     """
     opt = resolve(cfg)
     name = opt["name"]
-    schedule = make_schedule(opt["schedule"], opt["learning_rate"], total_steps,
-                             opt["warmup_ratio"] or 0.0)
+    if numbers is None:
+        schedule = make_schedule(opt["schedule"], opt["learning_rate"], total_steps,
+                                 opt["warmup_ratio"] or 0.0)
+    else:
+        _check_schedule(opt["schedule"], total_steps, opt["warmup_ratio"] or 0.0)
+        schedule = _schedule(opt["schedule"], numbers["learning_rate"], numbers["total_steps"],
+                             numbers["warmup_ratio"])
     wd = float(opt["weight_decay"] or 0.0)
     parts = []
     if opt["pad_token_id"] is not None:

@@ -143,15 +143,18 @@ def make_grad_step(loss_fn: Callable, *, grad_accum: int = 1,
     return grads
 
 
-def make_update_step(tx: optax.GradientTransformation,
-                     schedule: Callable[[Array], Array],
+def make_update_step(optimizer: Callable[[Dict[str, Array]], tuple],
                      pad_token_id: Optional[int] = None) -> Callable:
-    """-> update(state, grads) -> (state, {"grad_norm", "lr"}), not jitted: the optimizer's
-    step (grad_norm: global L2 of `grads`; lr: the schedule's value at this step).
+    """-> update(state, grads, numbers) -> (state, {"grad_norm", "lr"}), not jitted: the
+    optimizer's step (grad_norm: global L2 of `grads`; lr: the schedule's value at this step).
+    optimizer(numbers) -> (tx, schedule): the run's optimizer built from the schedule's numbers
+    (optim.schedule_numbers; arguments of the program, so that one compiled update serves any
+    learning rate and run length), e.g. functools.partial(optim.make_optimizer, cfg, steps).
     pad_token_id: the optimizer's (optim.resolve), so that the norm shares its sums with the
     optimizer's clip instead of reading every gradient once more."""
 
-    def update(state: TrainState, grads):
+    def update(state: TrainState, grads, numbers):
+        tx, schedule = optimizer(numbers)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"grad_norm": optim.global_norm(grads, pad_token_id),
@@ -161,17 +164,18 @@ def make_update_step(tx: optax.GradientTransformation,
     return update
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
-                    schedule: Callable[[Array], Array], *, grad_accum: int = 1,
-                    mesh: Optional[Mesh] = None, pad_token_id: Optional[int] = None) -> Callable:
-    """-> step(state, teacher_params, batch) -> (state, metrics), not yet jitted: the gradient
-    step and the update step as one function (metrics: both steps' metrics)."""
+def make_train_step(loss_fn: Callable, optimizer: Callable[[Dict[str, Array]], tuple], *,
+                    grad_accum: int = 1, mesh: Optional[Mesh] = None,
+                    pad_token_id: Optional[int] = None) -> Callable:
+    """-> step(state, teacher_params, batch, numbers) -> (state, metrics), not yet jitted: the
+    gradient step and the update step (`make_update_step`'s optimizer and numbers) as one
+    function (metrics: both steps' metrics)."""
     grads_fn = make_grad_step(loss_fn, grad_accum=grad_accum, mesh=mesh)
-    update_fn = make_update_step(tx, schedule, pad_token_id)
+    update_fn = make_update_step(optimizer, pad_token_id)
 
-    def step(state: TrainState, teacher_params, batch):
+    def step(state: TrainState, teacher_params, batch, numbers):
         grads, metrics = grads_fn(state, teacher_params, batch)
-        state, more = update_fn(state, grads)
+        state, more = update_fn(state, grads, numbers)
         return state, dict(metrics, **more)
 
     return step
@@ -188,10 +192,14 @@ def make_eval_step(student: nn.Module) -> Callable:
     return eval_step
 
 
-def jit_train_step(step: Callable, state_sharding, teacher_sharding, mesh: Mesh):
-    """jax.jit with explicit in/out shardings and the state donated (updated in place)."""
-    return jax.jit(step, in_shardings=(state_sharding, teacher_sharding, shd.batch_sharding(mesh)),
-                   out_shardings=(state_sharding, shd.replicated(mesh)), donate_argnums=(0,))
+def jit_train_step(step: Callable, state_sharding, teacher_sharding, mesh: Mesh,
+                   numbers) -> "Bound":
+    """jax.jit with explicit in/out shardings and the state donated (updated in place), called
+    as step(state, teacher_params, batch): `numbers` (replicated arrays) bound."""
+    jitted = jax.jit(step, in_shardings=(state_sharding, teacher_sharding,
+                                         shd.batch_sharding(mesh), shd.replicated(mesh)),
+                     out_shardings=(state_sharding, shd.replicated(mesh)), donate_argnums=(0,))
+    return Bound(jitted, numbers)
 
 
 def jit_eval_step(eval_step: Callable, student_sharding, mesh: Mesh):
@@ -200,17 +208,45 @@ def jit_eval_step(eval_step: Callable, student_sharding, mesh: Mesh):
 
 
 def jit_split_train_step(grads_fn: Callable, update_fn: Callable, state_sharding,
-                         teacher_sharding, mesh: Mesh) -> "SplitTrainStep":
+                         teacher_sharding, mesh: Mesh, numbers) -> "SplitTrainStep":
     """The train step as two jitted programs: the gradient step (one program per batch shape;
     the state is read, not donated) and the update step (one program for the run; the state
     donated: the new params and moments take its buffers, so donating the gradients too would
-    give XLA buffers it has no output for)."""
+    give XLA buffers it has no output for), called as update(state, grads): `numbers` bound."""
     grads = jax.jit(grads_fn,
                     in_shardings=(state_sharding, teacher_sharding, shd.batch_sharding(mesh)),
                     out_shardings=(state_sharding.params, shd.replicated(mesh)))
-    update = jax.jit(update_fn, in_shardings=(state_sharding, state_sharding.params),
+    update = jax.jit(update_fn, in_shardings=(state_sharding, state_sharding.params,
+                                              shd.replicated(mesh)),
                      out_shardings=(state_sharding, shd.replicated(mesh)), donate_argnums=(0,))
-    return SplitTrainStep(grads, update)
+    return SplitTrainStep(grads, Bound(update, numbers))
+
+
+class Bound:
+    """`fn` (jitted, lowered or compiled) with its last arguments bound: called as
+    fn(*args, *bound), lowered to and compiled into Bound forms of the same; the rest of the
+    interface (cost_analysis, memory_analysis, as_text, ...) is fn's.
+
+    The schedule's numbers are arguments of the update program, not constants written into it
+    (optim.py), while every caller keeps calling, lowering and compiling the step with the
+    arguments it always had."""
+
+    def __init__(self, fn: Callable, *bound):
+        self.fn, self.bound = fn, bound
+
+    def __call__(self, *args):
+        return self.fn(*args, *self.bound)
+
+    def lower(self, *args) -> "Bound":
+        return Bound(self.fn.lower(*args, *self.bound), *self.bound)
+
+    def compile(self) -> "Bound":
+        return Bound(self.fn.compile(), *self.bound)
+
+    def __getattr__(self, name):
+        if name in ("fn", "bound"):   # not set yet (copy, unpickling): not fn's to answer
+            raise AttributeError(name)
+        return getattr(self.fn, name)
 
 
 class SplitTrainStep:

@@ -1,4 +1,5 @@
 """Optimizers: schedules by hand, weight-decay masking, and BertAdam parity with the official code."""
+import functools
 import json
 import math
 
@@ -207,10 +208,13 @@ def test_update_program_reads_the_embedding_gradient_in_place():
     vocab, d = 1031, 24
     p = {"student": {"bert": {"embeddings": {"word_embeddings": {
         "embedding": jnp.ones((vocab, d))}}, "pooler": {"kernel": jnp.ones((d, d))}}}, "proj": {}}
-    tx, sched = optim.make_optimizer({"name": "adamw"}, 10)
+    cfg = {"name": "adamw"}
+    tx, _ = optim.make_optimizer(cfg, 10)
     state = TrainState.create(p, tx, jax.random.PRNGKey(0))
-    update = jax.jit(step_lib.make_update_step(tx, sched, 0), donate_argnums=(0,))
-    hlo = update.lower(state, state.params).compile().as_text().splitlines()
+    update = jax.jit(step_lib.make_update_step(functools.partial(optim.make_optimizer, cfg, 10),
+                                               0), donate_argnums=(0,))
+    hlo = update.lower(state, state.params, optim.schedule_numbers(cfg, 10)
+                       ).compile().as_text().splitlines()
     big = [line for line in hlo
            if re.match(rf"\s*(ROOT )?%[\w.-]+ = f32\[{vocab},{d}\]", line)
            and re.search(r" (fusion|copy)\(", line)]
@@ -219,6 +223,40 @@ def test_update_program_reads_the_embedding_gradient_in_place():
     readers = [line for line in hlo if re.match(r"\s*(ROOT )?%[\w.-]+ = ", line)
                and grad in line.split("=", 1)[1] and "parameter(" not in line]
     assert len(readers) == 3, "\n".join(readers)
+
+
+def test_one_update_program_serves_every_learning_rate_and_run_length():
+    """The schedule's numbers are arguments of the update program (optim.schedule_numbers), so
+    a rerun with another learning rate, warmup or length finds its update in the persistent
+    compile cache: the lowered modules are equal, and one compiled program gives each run's
+    learning rates (the official warmup_linear, by hand: peak * p / w, then (p - 1) / (w - 1))."""
+    from jax_tinybert import step as step_lib
+    from jax_tinybert.train_state import TrainState
+
+    p = {"student": {"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}, "proj": {}}
+    runs = [({"name": "adamw", "learning_rate": 2.0, "warmup_ratio": 0.25}, 20),
+            ({"name": "adamw", "learning_rate": 1e-4, "warmup_ratio": 0.1}, 10)]
+
+    def lowered(cfg, steps):
+        tx, _ = optim.make_optimizer(cfg, steps)
+        state = TrainState.create(p, tx, jax.random.PRNGKey(0))
+        update = jax.jit(step_lib.make_update_step(
+            functools.partial(optim.make_optimizer, cfg, steps), 0))
+        return state, update.lower(state, state.params, optim.schedule_numbers(cfg, steps))
+
+    (state, first), (_, second) = (lowered(*r) for r in runs)
+    assert first.as_text() == second.as_text()
+    program = first.compile()
+    grads = jax.tree_util.tree_map(jnp.ones_like, state.params)
+    want = [[0.0, 0.4, 0.8, 1.2, 1.6, 2.0, 2 * 14 / 15],
+            [0.0, 1e-4, 1e-4 * 8 / 9, 1e-4 * 7 / 9, 1e-4 * 6 / 9, 1e-4 * 5 / 9, 1e-4 * 4 / 9]]
+    for (cfg, steps), lrs in zip(runs, want):
+        numbers = optim.schedule_numbers(cfg, steps)
+        s, got = state, []
+        for _ in lrs:
+            s, m = program(s, grads, numbers)
+            got.append(float(m["lr"]))
+        np.testing.assert_allclose(got, lrs, rtol=1e-6, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- official parity

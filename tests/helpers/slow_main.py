@@ -41,8 +41,8 @@ if _DEVICE_MATMULS:
     def make_update_step(*args, **kwargs):
         inner = _make_update_step(*args, **kwargs)
 
-        def update(state, grads):
-            new_state, metrics = inner(state, grads)
+        def update(state, grads, numbers):
+            new_state, metrics = inner(state, grads, numbers)
             x = jnp.full((512, 512), new_state.step.astype(jnp.float32) * 1e-6 + 1 / 512)
             x = jax.lax.fori_loop(0, _DEVICE_MATMULS, lambda i, y: jnp.tanh(y @ y), x)
             return new_state, dict(metrics, device_work=x[0, 0])

@@ -44,7 +44,12 @@ obj = objectives.make_objective("tinybert_intermediate", {"mode": mode}, scfg, t
 params = {"student": sparams, "proj": obj.init_projection(jax.random.PRNGKey(2))}
 # Plain SGD: Adam divides by sqrt(v), which turns float-rounding noise on near-zero gradients
 # into full-size updates and would hide what we compare (the gradients of each layout).
-tx, sched = optax.sgd(0.5), (lambda step: 0.5)
+tx = optax.sgd(0.5)
+NUMBERS = {"learning_rate": np.float32(0.5)}   # the update program's schedule arguments
+
+
+def optimizer(numbers):
+    return optax.sgd(numbers["learning_rate"]), (lambda step: numbers["learning_rate"])
 
 rng = np.random.default_rng(0)
 B, T = 32, 16
@@ -67,10 +72,10 @@ def run(mesh_spec, devices, grad_accum=1, split=True):
     if split:   # as short runs train (train.split_update)
         f = step_lib.jit_split_train_step(
             step_lib.make_grad_step(loss_fn, grad_accum=grad_accum, mesh=mesh),
-            step_lib.make_update_step(tx, sched), ssh, tsh, mesh)
+            step_lib.make_update_step(optimizer), ssh, tsh, mesh, NUMBERS)
     else:
         f = step_lib.jit_train_step(step_lib.make_train_step(
-            loss_fn, tx, sched, grad_accum=grad_accum, mesh=mesh), ssh, tsh, mesh)
+            loss_fn, optimizer, grad_accum=grad_accum, mesh=mesh), ssh, tsh, mesh, NUMBERS)
     tp = shd.put_sharded(tparams, tsh)
     for _ in range(2):
         state, m = f(state, tp, shd.shard_batch(batch, mesh))
