@@ -24,7 +24,11 @@ import statistics
 import sys
 import time
 
-os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+if __name__ == "__main__":
+    # As a script only: a test that imports this module would otherwise leave the variable in
+    # its process's environment, and every CLI run the suite starts after it would run without
+    # the compile cache (tests/test_cli.py's cache test failed in such an order).
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

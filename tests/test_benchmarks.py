@@ -129,8 +129,12 @@ def test_compile_cost_smoke(tmp_path):
 
 def test_compile_cost_dtype_reaches_every_program(monkeypatch):
     """--dtype bfloat16 builds the train step, the eval step and the teacher forward with both
-    models' dtype bfloat16 (the programs whose compile time a bf16 bucket costs)."""
+    models' dtype bfloat16 (the programs whose compile time a bf16 bucket costs). Imported,
+    the script leaves the environment alone: its cache switch once stayed in the suite's
+    environment and turned the compile cache off for every CLI run started after it."""
+    before = os.environ.get("JAX_ENABLE_COMPILATION_CACHE")
     import compile_cost as cc
+    assert os.environ.get("JAX_ENABLE_COMPILATION_CACHE") == before
     seen = []
 
     class Stop(Exception):
