@@ -398,9 +398,9 @@ def test_a_gpu_or_tpu_host_gets_no_single_malloc_arena(tmp_path):
 
 
 def test_a_cli_run_fills_the_default_compile_cache(cli, tmp_path):
-    d, _ = cli
     """With the defaults a user has: every program the run compiled is kept, the update and
     the evaluation's (each well under JAX's default 1 s threshold here) too."""
+    d, _ = cli
     env = _env_without("JAX_COMPILATION_CACHE_DIR", "JTB_COMPILE_CACHE",
                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", XDG_CACHE_HOME=str(tmp_path))
     args = _with(FINETUNE, [f"--workdir={tmp_path / 'run'}"])
