@@ -306,18 +306,13 @@ def make_optimizer(cfg, total_steps: Optional[int], numbers: Optional[Dict[str, 
     A key that is absent takes the optimizer's default (`defaults(name)`); None turns clipping /
     pad_token_id off. total_steps: number of optimizer updates of the run (the official t_total).
     numbers: `schedule_numbers(cfg, total_steps)`, or those traced in a program, for the
-    schedule's peak lr, length and warmup (default: cfg's and total_steps, as Python floats).
+    schedule's peak lr, length and warmup (default: schedule_numbers(cfg, total_steps)).
     Returns (tx, schedule: step -> lr). Weight decay skips biases and LayerNorm.
     """
     opt = resolve(cfg)
     name = opt["name"]
-    if numbers is None:
-        schedule = make_schedule(opt["schedule"], opt["learning_rate"], total_steps,
-                                 opt["warmup_ratio"] or 0.0)
-    else:
-        _check_schedule(opt["schedule"], total_steps, opt["warmup_ratio"] or 0.0)
-        schedule = _schedule(opt["schedule"], numbers["learning_rate"], numbers["total_steps"],
-                             numbers["warmup_ratio"])
+    n = schedule_numbers(opt, total_steps) if numbers is None else numbers   # checked there
+    schedule = _schedule(opt["schedule"], n["learning_rate"], n["total_steps"], n["warmup_ratio"])
     wd = float(opt["weight_decay"] or 0.0)
     parts = []
     if opt["pad_token_id"] is not None:

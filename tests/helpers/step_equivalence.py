@@ -44,12 +44,14 @@ obj = objectives.make_objective("tinybert_intermediate", {"mode": mode}, scfg, t
 params = {"student": sparams, "proj": obj.init_projection(jax.random.PRNGKey(2))}
 # Plain SGD: Adam divides by sqrt(v), which turns float-rounding noise on near-zero gradients
 # into full-size updates and would hide what we compare (the gradients of each layout).
-tx = optax.sgd(0.5)
 NUMBERS = {"learning_rate": np.float32(0.5)}   # the update program's schedule arguments
 
 
 def optimizer(numbers):
     return optax.sgd(numbers["learning_rate"]), (lambda step: numbers["learning_rate"])
+
+
+tx, _ = optimizer(NUMBERS)
 
 rng = np.random.default_rng(0)
 B, T = 32, 16
