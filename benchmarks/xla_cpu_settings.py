@@ -55,6 +55,12 @@ SETTINGS: Dict[str, str] = {
     "onednn_vector512": "--xla_cpu_use_onednn=true --xla_cpu_prefer_vector_width=512",
     "fast_runtime": "--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_RUNTIME",
     "fast_compile": "--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE",
+    # Flags of jaxlib 0.10.2 that change the schedule or the fusions, not the math
+    # (`xla_cpu_use_multi_output_fusion` and `xla_cpu_flatten_after_fusion` are in its binary
+    # but refused in XLA_FLAGS).
+    "sched_concurrency": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
+    "sched_memory": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+    "tiling_propagation": "--xla_cpu_experimental_enable_tiling_propagation=true",
 }
 
 
