@@ -1,6 +1,7 @@
 """The benchmarks cannot rot: the PyTorch reference computes our losses, and the throughput
 script runs end to end in smoke mode. (Benchmarks are never timed here beyond a sanity bound.)"""
 import gzip
+import importlib.util
 import json
 import os
 import pathlib
@@ -132,9 +133,13 @@ def test_compile_cost_dtype_reaches_every_program(monkeypatch):
     models' dtype bfloat16 (the programs whose compile time a bf16 bucket costs). Imported,
     the script leaves the environment alone: its cache switch once stayed in the suite's
     environment and turned the compile cache off for every CLI run started after it."""
-    before = os.environ.get("JAX_ENABLE_COMPILATION_CACHE")
-    import compile_cost as cc
-    assert os.environ.get("JAX_ENABLE_COMPILATION_CACHE") == before
+    # The module's top level run afresh (an `import` finds it in sys.modules after the first
+    # test that imports it, and would check nothing), from an environment without the switch.
+    monkeypatch.delenv("JAX_ENABLE_COMPILATION_CACHE", raising=False)
+    spec = importlib.util.spec_from_file_location("compile_cost_fresh", BENCH / "compile_cost.py")
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+    assert "JAX_ENABLE_COMPILATION_CACHE" not in os.environ
     seen = []
 
     class Stop(Exception):
