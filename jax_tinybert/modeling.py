@@ -441,6 +441,19 @@ class _DenseParams(_BertModule):
         return kernel, bias
 
 
+def _softmax_product(scores: Array, v: Array, product, dtype: Dtype) -> Array:
+    """softmax(scores, -1) @ v with the normalisation after the product: scores [B, H, Q, T]
+    float32, v [B, H, T, d] -> [B, H, Q, d] in `dtype`. The same sums as normalising first, one
+    division per output instead of per score. On CPU XLA otherwise fuses the whole softmax into
+    the product's YNNPACK fusion, which ran the teacher's attention 2-4x slower than the two
+    products and the softmax apart (benchmarks/RESULTS.md, session 50). Not used under attention
+    dropout: there the mask falls on the normalised probabilities, and the training step measured
+    slower in this form."""
+    e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    ctx = product("bhqk,bhkd->bhqd", e.astype(dtype), v)
+    return (ctx.astype(jnp.float32) / jnp.sum(e, axis=-1, keepdims=True)).astype(dtype)
+
+
 class BertSelfAttention(_BertModule):
     """Multi-head self-attention (query/key/value); also returns the pre-softmax logits."""
 
@@ -495,10 +508,13 @@ class BertSelfAttention(_BertModule):
                    else jnp.einsum)
         logits = product("bhqd,bhkd->bhqk", q, k)
         # Softmax in float32 even under bf16 compute: the -1e9 style mask and exp need the range.
-        probs = jax.nn.softmax(logits.astype(jnp.float32) + mask_bias, axis=-1)
+        scores = logits.astype(jnp.float32) + mask_bias
         if not deterministic and c.attention_probs_dropout_prob > 0:
+            probs = jax.nn.softmax(scores, axis=-1)
             probs = Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
-        ctx = product("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
+            ctx = product("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
+        else:
+            ctx = _softmax_product(scores, v, product, self.dtype)
         if dots is not None:
             return _heads_last(ctx), logits
         return ctx.transpose(0, 2, 1, 3).reshape(B, q.shape[2], c.hidden_size), logits
