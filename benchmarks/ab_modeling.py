@@ -15,7 +15,9 @@ Stages are those of benchmarks/step_throughput.py (MiniLM-L6 teacher, 4L-312 stu
 student dropout on, teacher live) plus `cached_intermediate`: the intermediate step reading the
 teacher's attention and hidden states from the batch (what a run with the per-token teacher cache
 trains), and `cached_pred`: the prediction step reading the teacher's logits from the batch (what
-the prediction stage trains with its teacher cache). Only `modeling.py` and `dropout.py` differ between the two sides; every other module
+the prediction stage trains with its teacher cache), and `teacher_forward`: the teacher's forward
+alone in eval mode, every hidden state and attention logit out (a teacher cache build's program;
+run it with `--batch-size 64`, the cache build's batch). Only `modeling.py` and `dropout.py` differ between the two sides; every other module
 is the working tree's, so the baseline files must import against it.
 
 `--baseline full-last-layer` compares the working tree with itself, the A side built with every
@@ -111,10 +113,37 @@ def every_objective_reads_tokens():
 STAGE_NAMES = {"intermediate": "tinybert_intermediate", "pred": "tinybert_pred"}
 
 
+TEACHER_FORWARD = "teacher_forward"
+
+
+def _teacher_forward(model, params, cfg, batch_size, T):
+    """make_step's list for the teacher's forward in eval mode (no dropout), every hidden state
+    and attention logit returned (what a per-token teacher cache build computes). Its "state"
+    is the last call's outputs, so that waiting on it waits for all of them."""
+    hb = st.make_batch(cfg, batch_size, T)
+    batch = {k: jax.device_put(hb[k]) for k in ("input_ids", "attention_mask", "token_type_ids")}
+
+    def forward(_, p, b):
+        return model.apply({"params": p}, **b, deterministic=True, attention_logits=True), None
+
+    state = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype),
+                                   jax.eval_shape(lambda p, b: forward(None, p, b)[0],
+                                                  params, batch))
+    t0 = time.perf_counter()
+    compiled = jax.jit(forward).lower(state, params, batch).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):
+        state, _ = compiled(state, params, batch)
+        jax.block_until_ready(state)
+    return [compiled, state, params, batch, [], compile_s]
+
+
 def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size, dtype="float32"):
     """-> [compiled step, state, teacher params, sharded batch, timings, compile s] built with
     `models`."""
     build.BertForSequenceClassification, build.BertModel = models
+    if stage == TEACHER_FORWARD:
+        return _teacher_forward(models[1](tcfg), tparams["bert"], tcfg, batch_size, T)
     hb = st.make_batch(scfg, batch_size, T)
     if stage in ("cached_intermediate", "cached_pred"):
         name = "tinybert_" + stage[len("cached_"):]

@@ -233,18 +233,20 @@ def test_nominal_peaks_and_dot_mode():
 
 @pytest.mark.parametrize("baseline", ["HEAD", "full-last-layer"])
 def test_ab_modeling_smoke(tmp_path, baseline):
-    """Both sides build and time the same step; baseline = HEAD's modeling.py and dropout.py via
-    git show, or the tree's without cls_only."""
+    """Both sides build and time the same step (and the teacher's forward alone); baseline =
+    HEAD's modeling.py and dropout.py via git show, or the tree's without cls_only."""
     out = tmp_path / "ab.json"
     proc = subprocess.run([sys.executable, str(BENCH / "ab_modeling.py"), "--smoke",
-                           "--baseline", baseline, "--stages", "cached_intermediate,cached_pred",
+                           "--baseline", baseline, "--stages",
+                           "cached_intermediate,cached_pred,teacher_forward",
                            "--lengths", "8", "--rounds", "2", "--batch-size", "4",
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [(r["stage"], r["T"]) for r in res["rows"]] == [("cached_intermediate", 8),
-                                                            ("cached_pred", 8)]
+                                                            ("cached_pred", 8),
+                                                            ("teacher_forward", 8)]
     for r in res["rows"]:
         assert len(r["baseline_times"]) == len(r["tree_times"]) == 2
         assert r["baseline_s"] > 0 and r["tree_s"] > 0
@@ -338,6 +340,22 @@ def test_teacher_pass_smoke(tmp_path, glue_dir):
     assert res["compiled_shapes"]["packed"] == 1 < res["compiled_shapes"]["bucketed"]
     assert res["max_abs_logit_diff"] < 1e-4
     assert "round 1 packed" in proc.stdout
+
+
+def test_teacher_pass_times_the_bucketed_pass_where_packing_would_not_pay(tmp_path, glue_dir):
+    """At MRPC's fine buckets packing would not pay (the cache build forwards the pairs
+    bucketed): the script times that pass alone instead of exiting with nothing measured."""
+    out = tmp_path / "tp.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "teacher_pass.py"), "--task", "mrpc",
+                           "--glue_dir", str(glue_dir), "--train_subset", "48", "--rounds", "1",
+                           "--buckets", "40,48,56,64,80,104,128", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "would not pay" in proc.stdout and "round 1 bucketed" in proc.stdout
+    res = json.loads(out.read_text())
+    assert list(res["seconds"]) == ["bucketed"] and len(res["seconds"]["bucketed"]) == 1
+    assert res["packed_rows"] == 0 and res["max_abs_logit_diff"] is None
+    assert list(res["compiled_shapes"]) == ["bucketed"] and res["compiled_shapes"]["bucketed"] > 1
 
 
 def test_step_profile_smoke(tmp_path, glue_dir):
