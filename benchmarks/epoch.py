@@ -502,6 +502,17 @@ def official_around(t: dict) -> Dict[str, tuple]:
     return {p: (seq[i], seq[i + 1]) for i, p in enumerate(order)}
 
 
+def _shown(value: float, target: float, decimals: int) -> str:
+    """`value` with `decimals` decimals, or with more where that rounding would reach `target`
+    (or fall short of it) while the value does not: 59.6% of a 60% target reads "59.6%", not
+    "60%" beside a "no"."""
+    for d in range(decimals, decimals + 4):
+        text = f"{value:.{d}f}"
+        if (float(text) >= target) == (value >= target):
+            return text
+    return text
+
+
 def render(res: dict) -> str:
     m = res["machine"]
     fam = (f", family {m['cpu_family']} model {m['cpu_model']}"
@@ -543,7 +554,7 @@ def render(res: dict) -> str:
         if r.get("pct"):
             ours = f"{r['ours_s']:.3f} s ({r['ours_detail']})"
             ref = r["ref_detail"]
-            ratio = f"{r['ratio']:.0f}%"
+            ratio = _shown(r["ratio"], r["target"], 0) + "%"
             target = f">= {r['target']:.0f}%"
         else:
             ours = f"{r['ours_s']:.1f} s" if r["ours_s"] > 10 else f"{r['ours_s']:.3f} s"
@@ -551,7 +562,7 @@ def render(res: dict) -> str:
                 ours += f" ({r['ours_detail']})"
             ref = (f"{r['ref_s']:.1f} s" if r["ref_s"] > 10 else f"{r['ref_s']:.3f} s") + \
                 f" ({r['ref_detail']})"
-            ratio = f"{r['ratio']:.2f}x"
+            ratio = _shown(r["ratio"], r["target"], 2) + "x"
             target = f">= {r['target']:g}x"
         met = "yes" if r["ratio"] >= r["target"] else "**no**"
         ceiling = (f"{r['ceiling']:.2f}x ({r['work'] / 1e12:.2f} TFLOP, run at "

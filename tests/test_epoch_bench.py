@@ -60,6 +60,21 @@ def test_render_marks_targets_met_and_missed():
     assert "sst2 pred: 25 s wall" in table
 
 
+def test_render_shows_the_decimals_that_tell_a_miss_from_the_target():
+    res = _result()
+    rows = res["tasks"]["sst2"]["step_bench"][0]["results"]
+    rows[2]["gflop_per_step"] = 0.8 * 0.596 * 250.0   # finetune at 59.6% of 250 GFLOP/s
+    rows[0]["torch_s_per_step"] = 0.5 * 0.9996         # pred 0.9996x the PyTorch reference
+    table = epoch.render(res).splitlines()
+    line = next(x for x in table if "step finetune, T=64: % of best matmul" in x)
+    assert "| 59.6% |" in line and line.endswith("**no** |")
+    line = next(x for x in table if "step pred, T=64" in x and "PyTorch reference" in x)
+    assert "| 0.9996x |" in line and line.endswith("**no** |")
+    line = next(x for x in table if "step pred, T=64: % of best matmul" in x)
+    assert "| 80% |" in line and line.endswith("yes |")   # 200 GFLOP/s of 250: as before
+    assert epoch._shown(60.04, 60.0, 0) == "60" and epoch._shown(3.0, 3.0, 2) == "3.00"
+
+
 def test_two_epoch_run_splits_at_the_logged_step_times():
     # 100 steps per epoch; steps logged every 50 from t=40 s (after start-up, cache, compile),
     # 0.5 s a step in epoch 1 and 0.3 s in epoch 2; 12 s of checkpoint + export after step 200.
