@@ -116,10 +116,12 @@ STAGE_NAMES = {"intermediate": "tinybert_intermediate", "pred": "tinybert_pred"}
 TEACHER_FORWARD = "teacher_forward"
 
 
-def _teacher_forward(model, params, cfg, batch_size, T):
+def _teacher_forward(bert_model, params, cfg, batch_size, T, dtype):
     """make_step's list for the teacher's forward in eval mode (no dropout), every hidden state
-    and attention logit returned (what a per-token teacher cache build computes). Its "state"
-    is the last call's outputs, so that waiting on it waits for all of them."""
+    and attention logit returned (what a per-token teacher cache build computes), in `dtype` as
+    the CLI's teacher computes it (build.compute_dtypes). Its "state" is the last call's
+    outputs, so that waiting on it waits for all of them."""
+    model = bert_model(cfg, **build.compute_dtypes(dtype))
     hb = st.make_batch(cfg, batch_size, T)
     batch = {k: jax.device_put(hb[k]) for k in ("input_ids", "attention_mask", "token_type_ids")}
 
@@ -143,7 +145,7 @@ def make_step(stage, T, models, tcfg, tparams, scfg, sparams, batch_size, dtype=
     `models`."""
     build.BertForSequenceClassification, build.BertModel = models
     if stage == TEACHER_FORWARD:
-        return _teacher_forward(models[1](tcfg), tparams["bert"], tcfg, batch_size, T)
+        return _teacher_forward(models[1], tparams["bert"], tcfg, batch_size, T, dtype)
     hb = st.make_batch(scfg, batch_size, T)
     if stage in ("cached_intermediate", "cached_pred"):
         name = "tinybert_" + stage[len("cached_"):]

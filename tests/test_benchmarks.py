@@ -253,6 +253,23 @@ def test_ab_modeling_smoke(tmp_path, baseline):
         assert r["baseline_compile_s"] > 0 and r["tree_compile_s"] > 0
 
 
+def test_ab_modeling_teacher_forward_computes_in_the_dtype_asked_for():
+    """--dtype reaches the teacher_forward stage as it reaches the train steps: in bfloat16 on a
+    CPU the products take bf16 operands (build.compute_dtypes); float32 has none."""
+    import ab_modeling
+    import step_throughput as st
+    from jax_tinybert import modeling
+
+    tcfg, tparams = st.load_teacher("minilm", smoke=True)
+    models = (modeling.BertForSequenceClassification, modeling.BertModel)
+    texts = {}
+    for dtype in ("float32", "bfloat16"):
+        compiled = ab_modeling.make_step("teacher_forward", 8, models, tcfg, tparams, None, None,
+                                         2, dtype)[0]
+        texts[dtype] = compiled.as_text()
+    assert "bf16" not in texts["float32"] and "bf16" in texts["bfloat16"]
+
+
 def test_ab_modeling_full_last_layer_side_restores_the_objectives():
     """The full-last-layer side's objectives read tokens while its step is built, and only then."""
     import ab_modeling
