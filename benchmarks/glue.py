@@ -779,8 +779,8 @@ def main(argv=None) -> str:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="compute dtype of every stage's teacher and student (default float32); "
-                    "bfloat16 on a CPU with AMX: bf16 products, float32 activations, ~1.6x faster "
-                    "steps")
+                    "bfloat16 on a CPU with AMX (or an AMD one with AVX512-BF16): bf16 products, "
+                    "float32 activations, ~1.6x (1.2-1.6x) faster steps")
     ap.add_argument("--no_da", action="store_true", help="budget cpu: skip the tinybert+da row")
     ap.add_argument("--rows", default="",
                     help="budget cpu: comma list of rows to run, of " + ",".join(CPU_ROWS)

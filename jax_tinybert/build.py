@@ -76,8 +76,9 @@ def compute_dtypes(name: str, backend: Optional[str] = None) -> dict:
     JAX's): {"dtype": name}, or on a CPU for a 16-bit name {"dtype": float32, "dot_dtype":
     name}: float32 activations and 16-bit products' operands. The CPU has no 16-bit
     element-wise arithmetic (XLA converts around every op), while its bfloat16 products run on
-    AMX where the CPU has it (RESULTS.md, session 38). No "dot_dtype" key otherwise, so that a
-    model class from before it (benchmarks/ab_modeling.py's baseline) takes these too."""
+    AMX or AMD's AVX512-BF16 where the CPU has them (RESULTS.md, sessions 38 and 52). No
+    "dot_dtype" key otherwise, so that a model class from before it
+    (benchmarks/ab_modeling.py's baseline) takes these too."""
     dt = dtype(name)
     if is_half(dt) and (backend or jax.default_backend()) == "cpu":
         return {"dtype": jnp.float32, "dot_dtype": dt}

@@ -346,20 +346,40 @@ def _announce(run: build.Run) -> None:
         print(hint, flush=True)
 
 
-def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True when the CPU lists AMX for bfloat16 (`amx_bf16`, Linux); False if unknown."""
+def cpu_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> Optional[str]:
+    """The hardware that runs bfloat16 products faster than float32 ones on this CPU (Linux's
+    /proc/cpuinfo), in words: "AMX" (an Intel Xeon with `amx_bf16`), "AVX512-BF16 on AMD" (an
+    AMD EPYC Zen 4 or later: `vdpbf16ps` at the FMA's rate, two products per lane, so XLA's
+    bf16 x bf16 -> f32 product runs ~1.8-2x its float32 one; RESULTS.md, session 52), or None:
+    an Intel CPU with AVX512-BF16 but no AMX ran them slower than float32 (sessions 18, 23),
+    and anything unknown counts as slow."""
     try:
         with open(cpuinfo) as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+            text = f.read()
     except OSError:
-        return False
+        return None
+    flags = set()
+    amd = False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "flags":
+            flags.update(value.split())
+        elif key == "vendor_id":
+            amd = amd or value.strip() == "AuthenticAMD"
+    if "amx_bf16" in flags:
+        return "AMX"
+    if amd and "avx512_bf16" in flags:
+        return "AVX512-BF16 on AMD"
+    return None
 
 
-def dtype_hint(backend: str, dtypes: Iterable[str], amx: Optional[bool] = None) -> Optional[str]:
+def dtype_hint(backend: str, dtypes: Iterable[str],
+               bf16: Optional[str] = "detect") -> Optional[str]:
     """A one-line note when a model's compute dtype (`dtypes`: the student's, the teacher's) is
     the slower one on this backend (measured, benchmarks/RESULTS.md): float32 on a GPU or on a
-    CPU with AMX (`amx`, default: cpu_has_amx()), bfloat16 on a CPU without it, float16 on any
-    CPU. None otherwise."""
+    CPU with fast bfloat16 products (`bf16`: cpu_fast_bf16()'s answer, by default detected),
+    bfloat16 on a CPU without them, float16 on any CPU. None otherwise."""
     dtypes = {str(d) for d in dtypes}
     if backend == "gpu" and "float32" in dtypes:
         return ("note: float32 compute on a GPU; --config.student.dtype=bfloat16 "
@@ -367,20 +387,24 @@ def dtype_hint(backend: str, dtypes: Iterable[str], amx: Optional[bool] = None) 
                 "(params, gradients and the optimizer stay float32)")
     if backend != "cpu":
         return None
-    amx = cpu_has_amx() if amx is None else amx
-    if amx and "float32" in dtypes:
-        return ("note: this CPU has AMX; --config.student.dtype=bfloat16 "
-                "--config.teacher.dtype=bfloat16 ran the steps 1.55-1.9x faster on an Intel Xeon "
-                "with AMX (bfloat16 products; activations, params and the optimizer stay "
-                "float32; dev accuracy unchanged in RESULTS.md's runs)")
+    bf16 = cpu_fast_bf16() if bf16 == "detect" else bf16
+    if bf16 and "float32" in dtypes:
+        measured = ("1.55-1.9x faster on an Intel Xeon with AMX" if bf16 == "AMX" else
+                    "1.2-1.6x faster on an AMD EPYC Zen 4")
+        return (f"note: this CPU multiplies bfloat16 fast ({bf16}); "
+                "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16 ran the steps "
+                f"{measured} (bfloat16 products; activations, params and the optimizer stay "
+                "float32; dev accuracy within 0.6 points in RESULTS.md's runs)")
     if "float16" in dtypes:
         return ("note: float16 compute on a CPU: XLA has no float16 product kernel there, so "
                 "it converts the operands and multiplies in float32, slower than float32 itself; "
-                "use bfloat16 (fast on a CPU with AMX) or float32, the default")
-    if not amx and "bfloat16" in dtypes:
-        return ("note: bfloat16 compute on a CPU without AMX ran its products slower than "
-                "float32 (an AMD EPYC Zen 4 with AVX512-BF16); --config.student.dtype=float32 "
-                "--config.teacher.dtype=float32 is the default")
+                "use bfloat16 (fast on a CPU with AMX, or an AMD one with AVX512-BF16) or "
+                "float32, the default")
+    if not bf16 and "bfloat16" in dtypes:
+        return ("note: bfloat16 compute on a CPU without AMX (or an AMD CPU with AVX512-BF16) "
+                "ran its products slower than float32 (an Intel Xeon with AVX512-BF16 but no "
+                "AMX); --config.student.dtype=float32 --config.teacher.dtype=float32 is the "
+                "default")
     return None
 
 

@@ -533,33 +533,52 @@ def test_compute_label_says_what_a_16_bit_dtype_computes_in():
 
 
 def test_dtype_hint_names_the_faster_setting(tmp_path):
-    """The start-up note: float32 on a GPU, or on a CPU with AMX, points to bfloat16; bfloat16
-    on a CPU without AMX to float32; the faster setting (or anything on a TPU) prints nothing."""
+    """The start-up note: float32 on a GPU, or on a CPU with fast bfloat16 products (AMX, or an
+    AMD CPU with AVX512-BF16), points to bfloat16; bfloat16 on another CPU to float32; the
+    faster setting (or anything on a TPU) prints nothing."""
     gpu = train.dtype_hint("gpu", ["float32", "bfloat16"])
     assert gpu.startswith("note: float32 compute on a GPU") and \
         "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in gpu
-    cpu = train.dtype_hint("cpu", ["float32", "bfloat16"], amx=False)
+    cpu = train.dtype_hint("cpu", ["float32", "bfloat16"], bf16=None)
     assert cpu.startswith("note: bfloat16 compute on a CPU without AMX") and \
         "--config.student.dtype=float32 --config.teacher.dtype=float32" in cpu
-    amx = train.dtype_hint("cpu", ["float32", "float32"], amx=True)
-    assert amx.startswith("note: this CPU has AMX") and \
-        "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in amx
-    assert train.dtype_hint("cpu", ["bfloat16", "bfloat16"], amx=True) is None
-    assert train.dtype_hint("cpu", ["float32", "float32"], amx=False) is None
+    amx = train.dtype_hint("cpu", ["float32", "float32"], bf16="AMX")
+    assert amx.startswith("note: this CPU multiplies bfloat16 fast (AMX)") and \
+        "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in amx and \
+        "Intel Xeon with AMX" in amx
+    zen = train.dtype_hint("cpu", ["float32"], bf16="AVX512-BF16 on AMD")
+    assert zen.startswith("note: this CPU multiplies bfloat16 fast (AVX512-BF16 on AMD)") and \
+        "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in zen and \
+        "AMD EPYC Zen 4" in zen
+    for fast in ("AMX", "AVX512-BF16 on AMD"):
+        assert train.dtype_hint("cpu", ["bfloat16", "bfloat16"], bf16=fast) is None
+    assert train.dtype_hint("cpu", ["float32", "float32"], bf16=None) is None
     assert train.dtype_hint("gpu", ["bfloat16", "bfloat16"]) is None
     assert train.dtype_hint("gpu", ["bfloat16"]) is None   # fine-tuning: no teacher
     assert train.dtype_hint("tpu", ["float32", "float32"]) is None
-    for amx_ in (True, False):   # no float16 product kernel on any CPU
-        f16 = train.dtype_hint("cpu", ["float16", "float16"], amx=amx_)
+    for fast in ("AMX", "AVX512-BF16 on AMD", None):   # no float16 product kernel on any CPU
+        f16 = train.dtype_hint("cpu", ["float16", "float16"], bf16=fast)
         assert f16.startswith("note: float16 compute on a CPU") and "slower than float32" in f16
     assert train.dtype_hint("gpu", ["float16", "float16"]) is None
-    # The flag as Linux lists it, among others; a missing file reads as no AMX.
+
+
+def test_cpu_fast_bf16_reads_vendor_and_flags(tmp_path):
+    """/proc/cpuinfo as Linux writes it (one block per core): AMX on any vendor; AVX512-BF16 only
+    on AMD (an Intel Xeon with it but no AMX ran bf16 products slower than float32); a missing
+    file, or flags that only contain the names as substrings, read as no fast bf16."""
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
-    assert train.cpu_has_amx(str(info))
-    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
-    assert not train.cpu_has_amx(str(info))
-    assert not train.cpu_has_amx(str(tmp_path / "missing"))
+
+    def cpu(vendor, flags):
+        block = f"processor\t: {{}}\nvendor_id\t: {vendor}\nmodel name\t: x\nflags\t\t: {flags}\n\n"
+        info.write_text(block.format(0) + block.format(1))
+        return train.cpu_fast_bf16(str(info))
+
+    assert cpu("GenuineIntel", "fpu avx512f amx_bf16 amx_tile avx512_bf16") == "AMX"
+    assert cpu("GenuineIntel", "fpu avx512f avx512_bf16") is None
+    assert cpu("AuthenticAMD", "fpu avx512f avx512_bf16 avx512_vnni") == "AVX512-BF16 on AMD"
+    assert cpu("AuthenticAMD", "fpu avx2 fma") is None                 # Zen 3: no bf16
+    assert cpu("AuthenticAMD", "fpu xavx512_bf16 amx_bf16x") is None   # whole flags only
+    assert train.cpu_fast_bf16(str(tmp_path / "missing")) is None
 
 
 def test_a_large_train_set_is_fingerprinted_from_runs_of_its_tokens(monkeypatch):
