@@ -394,7 +394,7 @@ def dtype_hint(backend: str, dtypes: Iterable[str],
         return (f"note: this CPU multiplies bfloat16 fast ({bf16}); "
                 "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16 ran the steps "
                 f"{measured} (bfloat16 products; activations, params and the optimizer stay "
-                "float32; dev accuracy within 0.6 points in RESULTS.md's runs)")
+                "float32; MRPC dev scores within 0.8 points of float32 in RESULTS.md)")
     if "float16" in dtypes:
         return ("note: float16 compute on a CPU: XLA has no float16 product kernel there, so "
                 "it converts the operands and multiplies in float32, slower than float32 itself; "

@@ -128,6 +128,22 @@ def test_compile_cost_smoke(tmp_path):
             r["compile_per_bucket_s"] / r["step_at_max_len_s"])
 
 
+def test_matmul_dtypes_smoke(tmp_path):
+    """The script as a user runs it, on small shapes: one row per shape, both rates measured,
+    and the start-up note's rule for this CPU written beside them."""
+    from jax_tinybert.train import cpu_fast_bf16
+    out = tmp_path / "mm.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "matmul_dtypes.py"), "--repeats", "1",
+                           "--shapes", "64x32x48,16x8x24", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [(r["m"], r["k"], r["n"]) for r in res["rows"]] == [(64, 32, 48), (16, 8, 24)]
+    assert all(r["f32_gflop_s"] > 0 and r["bf16_gflop_s"] > 0 for r in res["rows"])
+    assert res["cpu_fast_bf16"] == cpu_fast_bf16()
+    assert "| 64 x 32 x 48 |" in proc.stdout
+
+
 def test_compile_cost_dtype_reaches_every_program(monkeypatch):
     """--dtype bfloat16 builds the train step, the eval step and the teacher forward with both
     models' dtype bfloat16 (the programs whose compile time a bf16 bucket costs). Imported,

@@ -1,0 +1,83 @@
+"""XLA's float32 product against its bfloat16 x bfloat16 -> float32 product on this machine, at
+2048^3 and at the dense shapes of a train step (4,096 rows of the 4-layer student and of MiniLM):
+whether `--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16` can pay here.
+
+On a CPU the bf16 setting runs the products with bf16 operands and float32 sums
+(`modeling.half_einsum`), so this times exactly that product. `train.cpu_fast_bf16` is the rule
+the CLI's start-up note applies without timing anything; this prints its answer beside the
+measurement, so a new CPU can be checked against it.
+
+    .venv/bin/python benchmarks/matmul_dtypes.py [--repeats 10] [--shapes MxKxN,...] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = ((2048, 2048, 2048),      # the usual peak
+          (4096, 312, 1200),       # student FFN in
+          (4096, 1200, 312),       # student FFN out
+          (4096, 312, 936),        # student fused QKV
+          (4096, 384, 1536),       # MiniLM FFN in
+          (4096, 1536, 384))       # MiniLM FFN out
+
+
+def best_seconds(f, *args, repeats: int) -> float:
+    """The fastest of `repeats` calls after one warm-up (compile) call."""
+    f(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(*args).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--shapes", default="",
+                    help="comma list of MxKxN (default: 2048^3 and the train step's dense shapes)")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.cpu_info import cpu_name
+    from jax_tinybert.train import cpu_fast_bf16
+
+    f32 = jax.jit(lambda a, b: a @ b)
+    bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"# {cpu_name()}; jax {jax.__version__} on {jax.default_backend()}; "
+          f"train.cpu_fast_bf16(): {cpu_fast_bf16()}")
+    print("| m x k x n | float32 GFLOP/s | bf16 x bf16 -> f32 GFLOP/s | bf16 / f32 |")
+    print("|---|---:|---:|---:|")
+    shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+              if args.shapes else SHAPES)
+    for m, k, n in shapes:
+        a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        b = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+        flop = 2.0 * m * k * n
+        g32 = flop / best_seconds(f32, a, b, repeats=args.repeats) / 1e9
+        g16 = flop / best_seconds(bf16, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                                  repeats=args.repeats) / 1e9
+        rows.append({"m": m, "k": k, "n": n, "f32_gflop_s": g32, "bf16_gflop_s": g16})
+        print(f"| {m} x {k} x {n} | {g32:.0f} | {g16:.0f} | {g16 / g32:.2f}x |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "jax": jax.__version__,
+                       "cpu_fast_bf16": cpu_fast_bf16(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
