@@ -321,6 +321,17 @@ def _restore(ckpt: Checkpointer, run: build.Run, state, workdir: str,
     return start_step, state, meta.get("best"), meta.get("history") or {}
 
 
+_PRINTED = set()
+
+
+def print_once(line: str) -> None:
+    """Prints `line` the first time this process asks: a note that holds for the whole process
+    (the CPU's faster dtype) is said once, not once per stage of a pipeline such as the demo."""
+    if line not in _PRINTED:
+        _PRINTED.add(line)
+        print(line, flush=True)
+
+
 def _announce(run: build.Run) -> None:
     c, m = run.config, run.models
     # The architecture as built: with student.init='pretrained' it is the export's, whatever
@@ -343,7 +354,7 @@ def _announce(run: build.Run) -> None:
                              f"student {labels[0]}; teacher {labels[1]}"), flush=True)
     hint = dtype_hint(jax.default_backend(), dtypes)
     if hint:
-        print(hint, flush=True)
+        print_once(hint)
 
 
 def cpu_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> Optional[str]:

@@ -562,6 +562,14 @@ def test_dtype_hint_names_the_faster_setting(tmp_path):
     assert train.dtype_hint("gpu", ["float16", "float16"]) is None
 
 
+def test_a_process_wide_note_prints_once(capsys):
+    """The demo's four stages run in one process: the dtype note is said at the first only."""
+    train.print_once("note: test line A")
+    train.print_once("note: test line B")
+    train.print_once("note: test line A")
+    assert capsys.readouterr().out == "note: test line A\nnote: test line B\n"
+
+
 def test_cpu_fast_bf16_reads_vendor_and_flags(tmp_path):
     """/proc/cpuinfo as Linux writes it (one block per core): AMX on any vendor; AVX512-BF16 only
     on AMD (an Intel Xeon with it but no AMX ran bf16 products slower than float32); a missing
