@@ -360,8 +360,8 @@ def _announce(run: build.Run) -> None:
 def cpu_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> Optional[str]:
     """The hardware that runs bfloat16 products faster than float32 ones on this CPU (Linux's
     /proc/cpuinfo), in words: "AMX" (an Intel Xeon with `amx_bf16`), "AVX512-BF16 on AMD" (an
-    AMD EPYC Zen 4 or later: `vdpbf16ps` at the FMA's rate, two products per lane, so XLA's
-    bf16 x bf16 -> f32 product runs ~1.8-2x its float32 one; RESULTS.md, session 52), or None:
+    AMD EPYC Zen 4 or later: there XLA's bf16 x bf16 -> f32 product ran 1.7-2.8x its float32
+    one at the step's shapes; RESULTS.md, session 52), or None:
     an Intel CPU with AVX512-BF16 but no AMX ran them slower than float32 (sessions 18, 23),
     and anything unknown counts as slow."""
     try:
