@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 import step_throughput as st  # noqa: E402
 from jax_tinybert import build, modeling, objectives, plan  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
-from cpu_info import cpu_name  # noqa: E402
+from jax_tinybert.cpu import cpu_name  # noqa: E402
 
 
 def _load_source(name: str, src: str):

@@ -29,8 +29,6 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 
-import numpy as np  # noqa: E402
-
 
 def official_way(mlm_dir: str, sentences, max_words: int = 0) -> dict:
     """One PyTorch MLM call per eligible one-piece word (the official script's loop)."""

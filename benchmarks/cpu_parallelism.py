@@ -57,7 +57,7 @@ def _time(fn, *args, reps=20):
 
 def part_dots(B=32, T=128, H=12):
     r = np.random.RandomState(0)
-    print(f"| product | head dim | ms | CPU / wall | GFLOP/s |\n|---|---|---|---|---|")
+    print("| product | head dim | ms | CPU / wall | GFLOP/s |\n|---|---|---|---|---|")
     for d in (26, 32):
         q, k = (jnp.asarray(r.randn(B, T, H, d), jnp.float32) for _ in range(2))
         p = jnp.asarray(r.rand(B, H, T, T), jnp.float32)

@@ -59,10 +59,10 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from cpu_info import cpuinfo
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax_tinybert import malloc  # noqa: E402
+from jax_tinybert.cpu import cpuinfo  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(_HERE)

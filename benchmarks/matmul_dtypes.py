@@ -3,11 +3,12 @@
 whether `--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16` can pay here.
 
 On a CPU the bf16 setting runs the products with bf16 operands and float32 sums
-(`modeling.half_einsum`), so this times exactly that product. `train.cpu_fast_bf16` is the rule
-the CLI's start-up note applies without timing anything; this prints its answer beside the
+(`modeling.half_einsum`), so this times exactly that product. `cpu.fast_bf16` is the rule the
+CLI's start-up note applies without timing anything; this prints its answer beside the
 measurement, so a new CPU can be checked against it.
 
     .venv/bin/python benchmarks/matmul_dtypes.py [--repeats 10] [--shapes MxKxN,...] [--json out.json]
+        [--cpuinfo FILE]   # the rule's answer for another machine's /proc/cpuinfo
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jax_tinybert.cpu import PROC_CPUINFO, cpu_name, cpuinfo, fast_bf16  # noqa: E402
 
 SHAPES = ((2048, 2048, 2048),      # the usual peak
           (4096, 312, 1200),       # student FFN in
@@ -44,21 +46,23 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="",
                     help="comma list of MxKxN (default: 2048^3 and the train step's dense shapes)")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--cpuinfo", default=PROC_CPUINFO,
+                    help="read the CPU's name and the bf16 rule's answer from this copy of "
+                         "/proc/cpuinfo (the timings are always this machine's)")
     args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.cpu_info import cpu_name
-    from jax_tinybert.train import cpu_fast_bf16
-
+    info = cpuinfo(args.cpuinfo)
+    name, rule = cpu_name(info), fast_bf16(info)
     f32 = jax.jit(lambda a, b: a @ b)
     bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     rng = np.random.default_rng(0)
     rows = []
-    print(f"# {cpu_name()}; jax {jax.__version__} on {jax.default_backend()}; "
-          f"train.cpu_fast_bf16(): {cpu_fast_bf16()}")
+    print(f"# {name}; jax {jax.__version__} on {jax.default_backend()}; "
+          f"cpu.fast_bf16(): {rule}")
     print("| m x k x n | float32 GFLOP/s | bf16 x bf16 -> f32 GFLOP/s | bf16 / f32 |")
     print("|---|---:|---:|---:|")
     shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
@@ -74,8 +78,8 @@ def main(argv=None) -> int:
         print(f"| {m} x {k} x {n} | {g32:.0f} | {g16:.0f} | {g16 / g32:.2f}x |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "jax": jax.__version__,
-                       "cpu_fast_bf16": cpu_fast_bf16(), "rows": rows}, f, indent=1)
+            json.dump({"cpu": name, "jax": jax.__version__,
+                       "cpu_fast_bf16": rule, "rows": rows}, f, indent=1)
     return 0
 
 

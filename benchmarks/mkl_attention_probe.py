@@ -91,7 +91,7 @@ def main(argv=None):
     import ab_modeling
     import step_throughput as st
     from blas_ffi_probe import build_ffi_library
-    from cpu_info import cpu_name
+    from jax_tinybert.cpu import cpu_name
     from jax_tinybert import modeling
 
     lib_dir = os.path.dirname(os.path.abspath(args.mkl_lib))

@@ -121,8 +121,8 @@ def main():
     a = ap.parse_args()
     if a.worker:
         return worker(a)
-    print(f"| processes | step ms, nothing between steps | with poll | overhead | "
-          f"barrier per step (old) |\n|---|---|---|---|---|")
+    print("| processes | step ms, nothing between steps | with poll | overhead | "
+          "barrier per step (old) |\n|---|---|---|---|---|")
     for n in (1, 2):
         r = launch(a, n)
         extra = f"{r['barrier']:.3f}" if "barrier" in r else "-"

@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from benchmarks.cpu_info import cpu_name  # noqa: E402
+from jax_tinybert.cpu import cpu_name  # noqa: E402
 from jax_tinybert import build, train  # noqa: E402
 from jax_tinybert import step as step_lib  # noqa: E402
 from jax_tinybert.config_check import validate_config  # noqa: E402

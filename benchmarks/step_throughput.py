@@ -74,7 +74,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cpu_info import cpuinfo  # noqa: E402
+from jax_tinybert.cpu import cpuinfo  # noqa: E402
 from jax_tinybert import build, config_base  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
 from jax_tinybert import work  # noqa: E402
@@ -455,7 +455,7 @@ def accelerator_matmuls(n: int, reps: int, torch_device: str = "cpu") -> dict:
                 for _ in range(3):
                     t0 = time.perf_counter()
                     for _ in range(reps):
-                        tc = torch.mm(ta, tb)
+                        torch.mm(ta, tb)
                     torch.cuda.synchronize(dev)
                     runs.append((time.perf_counter() - t0) / reps)
                 out["variants"][name] = {"flop_s": 2 * n ** 3 / statistics.median(runs),

@@ -33,7 +33,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cpu_info import cpuinfo  # noqa: E402
+from jax_tinybert.cpu import cpuinfo  # noqa: E402
 from jax_tinybert import objectives, teacher_cache as tc  # noqa: E402
 from jax_tinybert.data import batching, tokenize  # noqa: E402
 from jax_tinybert.hf import load_pretrained  # noqa: E402

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # set XLA's flags before JAX is loaded.
 _LAZY = {"losses", "layer_maps", "objectives", "optim", "metrics", "data", "checkpoints",
          "sharding", "step", "train", "export", "teacher_cache", "hf", "modeling", "build",
-         "fs", "config_check", "run_export", "plan", "pipeline", "malloc"}
+         "fs", "cpu", "config_check", "run_export", "plan", "pipeline", "malloc"}
 _NAMES = {**{n: "modeling" for n in ("BertConfig", "BertForMaskedLM",
                                       "BertForSequenceClassification", "BertModel", "BertOutput",
                                       "ConfigError", "count_params", "init_params")},

@@ -51,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
         # the step's speed setting: 1.6-2.1x TF32's on an H200 (RESULTS.md). On a CPU, bf16
         # products with float32 activations (build.compute_dtypes): 1.55-1.9x faster steps
         # with AMX, 1.2-1.6x on an AMD EPYC Zen 4 (AVX512-BF16), slower on an Intel CPU
-        # without AMX (train.cpu_fast_bf16; the start-up note says which).
+        # without AMX (cpu.fast_bf16; the start-up note says which).
         dtype="float32",
         dropout=False,           # True reproduces the official code (teacher left in train mode)
         cache=True,              # pred/kd/pkd stages: precompute teacher outputs once

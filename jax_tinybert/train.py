@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_tinybert import build, fs, precompile, teacher_cache, teacher_stream, work, workdir_lock
+from jax_tinybert import build, cpu, fs, precompile, teacher_cache, teacher_stream, work, workdir_lock
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
@@ -352,44 +352,16 @@ def _announce(run: build.Run) -> None:
         labels = [build.compute_label(d) for d in dtypes]
         print("compute: " + (labels[0] if len(set(labels)) == 1 else
                              f"student {labels[0]}; teacher {labels[1]}"), flush=True)
-    hint = dtype_hint(jax.default_backend(), dtypes)
+    backend = jax.default_backend()
+    hint = dtype_hint(backend, dtypes, cpu.fast_bf16() if backend == "cpu" else None)
     if hint:
         print_once(hint)
 
 
-def cpu_fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> Optional[str]:
-    """The hardware that runs bfloat16 products faster than float32 ones on this CPU (Linux's
-    /proc/cpuinfo), in words: "AMX" (an Intel Xeon with `amx_bf16`), "AVX512-BF16 on AMD" (an
-    AMD EPYC Zen 4 or later: there XLA's bf16 x bf16 -> f32 product ran 1.7-2.8x its float32
-    one at the step's shapes; RESULTS.md, session 52), or None:
-    an Intel CPU with AVX512-BF16 but no AMX ran them slower than float32 (sessions 18, 23),
-    and anything unknown counts as slow."""
-    try:
-        with open(cpuinfo) as f:
-            text = f.read()
-    except OSError:
-        return None
-    flags = set()
-    amd = False
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "flags":
-            flags.update(value.split())
-        elif key == "vendor_id":
-            amd = amd or value.strip() == "AuthenticAMD"
-    if "amx_bf16" in flags:
-        return "AMX"
-    if amd and "avx512_bf16" in flags:
-        return "AVX512-BF16 on AMD"
-    return None
-
-
-def dtype_hint(backend: str, dtypes: Iterable[str],
-               bf16: Optional[str] = "detect") -> Optional[str]:
+def dtype_hint(backend: str, dtypes: Iterable[str], bf16: Optional[str]) -> Optional[str]:
     """A one-line note when a model's compute dtype (`dtypes`: the student's, the teacher's) is
     the slower one on this backend (measured, benchmarks/RESULTS.md): float32 on a GPU or on a
-    CPU with fast bfloat16 products (`bf16`: cpu_fast_bf16()'s answer, by default detected),
+    CPU with fast bfloat16 products (`bf16`: cpu.fast_bf16()'s answer; None off a CPU),
     bfloat16 on a CPU without them, float16 on any CPU. None otherwise."""
     dtypes = {str(d) for d in dtypes}
     if backend == "gpu" and "float32" in dtypes:
@@ -398,7 +370,6 @@ def dtype_hint(backend: str, dtypes: Iterable[str],
                 "(params, gradients and the optimizer stay float32)")
     if backend != "cpu":
         return None
-    bf16 = cpu_fast_bf16() if bf16 == "detect" else bf16
     if bf16 and "float32" in dtypes:
         measured = ("1.55-1.9x faster on an Intel Xeon with AMX" if bf16 == "AMX" else
                     "1.2-1.6x faster on an AMD EPYC Zen 4, MRPC's epochs 1.2-1.4x; each "

@@ -130,17 +130,23 @@ def test_compile_cost_smoke(tmp_path):
 
 def test_matmul_dtypes_smoke(tmp_path):
     """The script as a user runs it, on small shapes: one row per shape, both rates measured,
-    and the start-up note's rule for this CPU written beside them."""
-    from jax_tinybert.train import cpu_fast_bf16
+    and the start-up note's rule written beside them, here for a Zen 4's /proc/cpuinfo."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+                    "model\t\t: 17\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx512f "
+                    "avx512_bf16\n\n")
     out = tmp_path / "mm.json"
     proc = subprocess.run([sys.executable, str(BENCH / "matmul_dtypes.py"), "--repeats", "1",
-                           "--shapes", "64x32x48,16x8x24", "--json", str(out)], cwd=REPO,
+                           "--shapes", "64x32x48,16x8x24", "--json", str(out),
+                           "--cpuinfo", str(info)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [(r["m"], r["k"], r["n"]) for r in res["rows"]] == [(64, 32, 48), (16, 8, 24)]
     assert all(r["f32_gflop_s"] > 0 and r["bf16_gflop_s"] > 0 for r in res["rows"])
-    assert res["cpu_fast_bf16"] == cpu_fast_bf16()
+    assert res["cpu_fast_bf16"] == "AVX512-BF16 on AMD"
+    assert res["cpu"].startswith("AMD EPYC 9R14 (family 25 model 17, ")
+    assert "cpu.fast_bf16(): AVX512-BF16 on AMD" in proc.stdout
     assert "| 64 x 32 x 48 |" in proc.stdout
 
 

@@ -536,7 +536,7 @@ def test_dtype_hint_names_the_faster_setting(tmp_path):
     """The start-up note: float32 on a GPU, or on a CPU with fast bfloat16 products (AMX, or an
     AMD CPU with AVX512-BF16), points to bfloat16; bfloat16 on another CPU to float32; the
     faster setting (or anything on a TPU) prints nothing."""
-    gpu = train.dtype_hint("gpu", ["float32", "bfloat16"])
+    gpu = train.dtype_hint("gpu", ["float32", "bfloat16"], bf16=None)
     assert gpu.startswith("note: float32 compute on a GPU") and \
         "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in gpu
     cpu = train.dtype_hint("cpu", ["float32", "bfloat16"], bf16=None)
@@ -553,13 +553,13 @@ def test_dtype_hint_names_the_faster_setting(tmp_path):
     for fast in ("AMX", "AVX512-BF16 on AMD"):
         assert train.dtype_hint("cpu", ["bfloat16", "bfloat16"], bf16=fast) is None
     assert train.dtype_hint("cpu", ["float32", "float32"], bf16=None) is None
-    assert train.dtype_hint("gpu", ["bfloat16", "bfloat16"]) is None
-    assert train.dtype_hint("gpu", ["bfloat16"]) is None   # fine-tuning: no teacher
-    assert train.dtype_hint("tpu", ["float32", "float32"]) is None
+    assert train.dtype_hint("gpu", ["bfloat16", "bfloat16"], bf16=None) is None
+    assert train.dtype_hint("gpu", ["bfloat16"], bf16=None) is None   # fine-tuning: no teacher
+    assert train.dtype_hint("tpu", ["float32", "float32"], bf16=None) is None
     for fast in ("AMX", "AVX512-BF16 on AMD", None):   # no float16 product kernel on any CPU
         f16 = train.dtype_hint("cpu", ["float16", "float16"], bf16=fast)
         assert f16.startswith("note: float16 compute on a CPU") and "slower than float32" in f16
-    assert train.dtype_hint("gpu", ["float16", "float16"]) is None
+    assert train.dtype_hint("gpu", ["float16", "float16"], bf16=None) is None
 
 
 def test_a_process_wide_note_prints_once(capsys):
@@ -568,25 +568,6 @@ def test_a_process_wide_note_prints_once(capsys):
     train.print_once("note: test line B")
     train.print_once("note: test line A")
     assert capsys.readouterr().out == "note: test line A\nnote: test line B\n"
-
-
-def test_cpu_fast_bf16_reads_vendor_and_flags(tmp_path):
-    """/proc/cpuinfo as Linux writes it (one block per core): AMX on any vendor; AVX512-BF16 only
-    on AMD (an Intel Xeon with it but no AMX ran bf16 products slower than float32); a missing
-    file, or flags that only contain the names as substrings, read as no fast bf16."""
-    info = tmp_path / "cpuinfo"
-
-    def cpu(vendor, flags):
-        block = f"processor\t: {{}}\nvendor_id\t: {vendor}\nmodel name\t: x\nflags\t\t: {flags}\n\n"
-        info.write_text(block.format(0) + block.format(1))
-        return train.cpu_fast_bf16(str(info))
-
-    assert cpu("GenuineIntel", "fpu avx512f amx_bf16 amx_tile avx512_bf16") == "AMX"
-    assert cpu("GenuineIntel", "fpu avx512f avx512_bf16") is None
-    assert cpu("AuthenticAMD", "fpu avx512f avx512_bf16 avx512_vnni") == "AVX512-BF16 on AMD"
-    assert cpu("AuthenticAMD", "fpu avx2 fma") is None                 # Zen 3: no bf16
-    assert cpu("AuthenticAMD", "fpu xavx512_bf16 amx_bf16x") is None   # whole flags only
-    assert train.cpu_fast_bf16(str(tmp_path / "missing")) is None
 
 
 def test_a_large_train_set_is_fingerprinted_from_runs_of_its_tokens(monkeypatch):
