@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert.cpu import cpuinfo  # noqa: E402
+from jax_tinybert.cpu import cpu_name  # noqa: E402
 from jax_tinybert import build, plan, teacher_cache  # noqa: E402
 from jax_tinybert import sharding as shd  # noqa: E402
 from jax_tinybert import step as step_lib  # noqa: E402
@@ -163,7 +163,7 @@ def main(argv=None):
     else:
         tcfg = plan.bert_config(a.teacher, max_len=max(lengths))
         scfg = plan.bert_config(a.student, max_len=max(lengths))
-    out = {"cpu": cpuinfo().get("model name", "unknown"), "jax": jax.__version__, "backend": jax.default_backend(),
+    out = {"cpu": cpu_name(), "jax": jax.__version__, "backend": jax.default_backend(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batch": a.batch,
            "stages": []}
     for s in a.stages.split(","):

@@ -601,15 +601,8 @@ def render(res: dict) -> str:
 # ----------------------------------------------------------------------------- main
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    ids = cpuinfo()
+    ids = cpuinfo()   # lscpu's "Model name" is this file's "model name"
+    cpu = ids.get("model name") or platform.processor()
     flags = ids.get("flags", "").split()
     feats = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     return {"cpu": cpu, "cpu_family": ids.get("cpu family"), "cpu_model": ids.get("model"),

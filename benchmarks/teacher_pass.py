@@ -33,7 +33,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert.cpu import cpuinfo  # noqa: E402
+from jax_tinybert.cpu import cpu_name, cpuinfo  # noqa: E402
 from jax_tinybert import objectives, teacher_cache as tc  # noqa: E402
 from jax_tinybert.data import batching, tokenize  # noqa: E402
 from jax_tinybert.hf import load_pretrained  # noqa: E402
@@ -88,8 +88,7 @@ def main(argv=None):
     bucketed_tokens = batching.padded_tokens(lens, buckets)
     fwd_plain = tc.make_forward(model, obj.teacher_features, cls_only=True)
     cpu = cpuinfo()
-    print(f"# {cpu.get('model name')} (family {cpu.get('cpu family')} model {cpu.get('model')}), "
-          f"{os.cpu_count()} cores; jax {jax.__version__}; {args.task}: {len(lens)} examples, "
+    print(f"# {cpu_name(cpu)}; jax {jax.__version__}; {args.task}: {len(lens)} examples, "
           f"{int(lens.sum())} tokens; buckets {buckets}: {bucketed_tokens} tokens forwarded",
           flush=True)
     if plan is None:
