@@ -661,7 +661,6 @@ def build_run(config, workdir: str) -> Run:
         if obj.teacher_token_cacheable and config.teacher.cache_tokens != "never":
             log.info("teacher per-token cache: %s (%s)", "yes" if tokens else "no", why)
         cached, token_dtype = tokens, (config.teacher.cache_dtype if tokens else None)
-    builder = spec = None
     if cached:
         def make(live=None, order=None):
             return teacher_cache.build_for_training(models, obj, data, workdir, mesh,
@@ -680,6 +679,8 @@ def build_run(config, workdir: str) -> Run:
 
         def spec(batch):
             return teacher_cache.lookup_spec(models, obj, batch, token_dtype)
+    else:
+        builder = spec = None
     teacher = models.teacher if teacher_in_step(config, obj) and not cached else None
     step = build_step(config, student=models.student, teacher=teacher, objective=obj,
                       student_params=models.student_params, teacher_params=models.teacher_params,

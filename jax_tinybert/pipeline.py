@@ -96,12 +96,12 @@ def _run_demo(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "teacher.cache": False, "optim.learning_rate": lr["teacher"],
         "train.num_steps": steps["teacher"], "train.eval_every": steps["teacher"] // 2}),
         d("teacher"))
-    general = run_stage(_stage(config, {
+    run_stage(_stage(config, {
         "stage": "general_distill", "objective.name": "tinybert_intermediate",
         "teacher.path": config.teacher.path, "data.kind": corpus_kind, "data.corpus": corpus,
         "data.seq_len": config.data.max_len, "optim.learning_rate": lr["general"],
         "train.num_steps": steps["general"]}), d("general"))
-    inter = run_stage(_stage(config, {
+    run_stage(_stage(config, {
         "stage": "task_distill", "objective.name": "tinybert_intermediate",
         "teacher.path": d("teacher/export"), "student.init": "pretrained",
         "student.path": d("general/export"), "optim.learning_rate": lr["intermediate"],

@@ -10,7 +10,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from jax_tinybert import build, config_base, objectives, optim
+from jax_tinybert import build, objectives, optim
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PKG = REPO / "jax_tinybert"

@@ -274,7 +274,7 @@ def test_local_multiprocess_failure_kills_the_others(tmp_path):
     elapsed = time.monotonic() - t0
     assert res.returncode == 3, res.stderr
     assert elapsed < 30
-    assert f"process 1 (pid" in res.stderr
+    assert "process 1 (pid" in res.stderr
     assert str(tmp_path / "logs" / "process_1.log") in res.stderr
     assert "process 1 gives up" in res.stderr               # the tail of its log is shown
     for i in (0, 2):

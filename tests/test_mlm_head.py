@@ -3,7 +3,6 @@ tiny end-to-end fit whose export loads in hf.load_pretrained, transformers and a
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -16,7 +16,6 @@ Tiny random teacher and throttled killed runs as in tests/test_resume.py.
 """
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import signal
 import subprocess
