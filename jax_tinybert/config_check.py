@@ -159,6 +159,8 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "stage": config_base.STAGES, "objective.name": objectives.OBJECTIVES,
         "objective.mode": losses.MODES, "objective.projection": objectives.PROJECTIONS,
         "objective.regression_target": ("teacher", "gold"),
+        "objective.attn_loss": tuple(objectives.ATTN_LOSSES),
+        "objective.hidn_loss": tuple(objectives.HIDN_LOSSES),
         "student.init": config_base.STUDENT_INITS, "data.kind": config_base.DATA_KINDS,
         "data.source": ("tsv", "hf", "tfds"), "data.corpus_mode": ("sentences", "documents"),
         "optim.name": optim.OPTIMIZERS, "optim.schedule": optim.SCHEDULES,
@@ -218,6 +220,12 @@ def validate_config(config: ml_collections.ConfigDict, paths: bool = True) -> No
         raise ConfigValueError(f"config.data.kind='corpus' has no labels; objective "
                                f"{config.objective.name!r} needs labelled task data "
                                "(use tinybert_intermediate for general distillation)")
+    if config.objective.name == "tinybert_intermediate" and objectives.kl_without_masking(
+            config.objective.to_dict()):
+        raise ConfigValueError(
+            "config.objective.attn_loss='kl' runs in config.objective.mode='masked' only (the "
+            "official TinyBERT code has no attention KL to reproduce); pass "
+            "--config.objective.mode=masked or --config.objective.attn_loss=mse")
     sc = config.student
     if sc.init == "random" and sc.hidden_size % sc.num_attention_heads:
         raise ConfigValueError(
@@ -459,13 +467,19 @@ def _real(p: str) -> str:
     return os.path.realpath(os.path.expanduser(p)) if p and "://" not in p else p
 
 
+# Fields added after runs were recorded, with the one value those runs had: left out of a run's
+# fingerprint at that value, so a run recorded before them resumes; any other value counts.
+ADDED_AT = {"objective.attn_loss": "mse", "objective.hidn_loss": "mse"}
+
+
 def resolved_fields(config) -> Dict[str, Any]:
     """The fields that decide the trained model, with paths resolved to the folders they name
     (relative paths, $GLUE_DIR and symlinks give the same value for the same data) and the
-    fields that the data kind does not read left out."""
+    fields that the data kind does not read left out (and ADDED_AT's at their old value)."""
     flat = _flat(config)
     out = {k: v for k, v in flat.items()
-           if k not in NO_RESULT_CHANGE and k not in SCHEDULE_FIELDS}
+           if k not in NO_RESULT_CHANGE and k not in SCHEDULE_FIELDS
+           and not (k in ADDED_AT and v in (None, ADDED_AT[k]))}
     kind = flat.get("data.kind")
     if kind == "glue":
         out["data.glue_dir"] = _real(flat.get("data.glue_dir") or os.environ.get("GLUE_DIR", ""))
@@ -546,7 +560,7 @@ def check_workdir(config, workdir: str) -> None:
         old_resolved = old.get("resolved") or {
             k: v for k, v in old.get("config", {}).items() if k not in RESUMABLE_CHANGES}
         if old.get("fingerprint") != fp:
-            defaults = resolved_fields(config_base.base_config())
+            defaults = {**ADDED_AT, **resolved_fields(config_base.base_config())}
             diff = sorted(
                 k for k in set(resolved) | set(old_resolved)
                 if _show(resolved.get(k, defaults.get(k))) !=

@@ -44,6 +44,11 @@ CFG_KEYS = {
     "w_embd": "tinybert_intermediate: weight of the embedding term",
     "w_attn": "tinybert_intermediate: weight of the attention terms",
     "w_hidn": "tinybert_intermediate: weight of the hidden-state terms",
+    "attn_loss": "tinybert_intermediate: the attention terms' loss, 'mse' (TinyBERT: MSE of the "
+                 "raw scores) or 'kl' (KL(teacher || student) of the attention distributions "
+                 "over real keys, TextBrewer's attention_ce / MiniLM's; masked mode only)",
+    "hidn_loss": "tinybert_intermediate: the embedding and hidden-state terms' loss, 'mse' "
+                 "(TinyBERT) or 'cosine' (1 - cos per token, DistilBERT's / TextBrewer's cos)",
     "w_pred": "tinybert_pred: weight of the prediction term",
     "normalize_patience": "pkd: L2-normalise [CLS] vectors before the patience MSE",
     "layer_weights": "tinybert_intermediate: lambda_m per student layer 0..M (default all 1)",
@@ -54,13 +59,20 @@ CFG_KEYS = {
 _COMMON = {"mode": "masked", "temperature": 1.0, "alpha": 0.5, "beta": 0.0, "t2": False,
            "layer_map": "uniform", "projection": "shared", "w_embd": 1.0, "w_attn": 1.0,
            "w_hidn": 1.0, "w_pred": 1.0, "normalize_patience": True, "layer_weights": None,
-           "regression_target": "teacher"}
+           "regression_target": "teacher", "attn_loss": "mse", "hidn_loss": "mse"}
 PROJECTIONS = ("shared", "per_layer", "none")
+ATTN_LOSSES = {"mse": L.attention_mse, "kl": L.attention_kl}
+HIDN_LOSSES = {"mse": L.hidden_mse, "cosine": L.cosine_hidden_loss}
 PKD_PUBLISHED_BETA = 500.0  # Sun et al. 2019, for the official mean over B*K*D
 
 
 class ObjectiveConfigError(UserError, ValueError):
     """An objective cfg value that this objective or these models cannot run with."""
+
+
+def kl_without_masking(cfg: Dict[str, Any]) -> bool:
+    """Whether an intermediate-layer cfg asks for attention KL in parity mode (which has none)."""
+    return cfg.get("attn_loss") == "kl" and cfg.get("mode") not in (None, "masked")
 
 
 def _as_dict(cfg: Any) -> dict:
@@ -91,6 +103,10 @@ def _resolve_cfg(name: str, defaults: dict, cfg: Any) -> dict:
                          f"got {out['temperature']!r}")
     if not 0.0 <= float(out["alpha"]) <= 1.0:
         raise ObjectiveConfigError(f"objective '{name}': cfg alpha must be in [0, 1], got {out['alpha']!r}")
+    for key, kinds in (("attn_loss", ATTN_LOSSES), ("hidn_loss", HIDN_LOSSES)):
+        if out[key] not in kinds:
+            raise ObjectiveConfigError(f"objective '{name}': cfg {key}={out[key]!r}; expected one "
+                                       f"of {tuple(kinds)}")
     if out["regression_target"] not in ("teacher", "gold"):
         raise ObjectiveConfigError(f"objective '{name}': cfg regression_target must be 'teacher' or 'gold', "
                          f"got {out['regression_target']!r}")
@@ -276,6 +292,11 @@ class TinyBertIntermediate(Objective):
 
     def setup(self) -> None:
         c = self.cfg
+        if kl_without_masking(c):
+            raise ObjectiveConfigError(
+                f"objective '{self.name}': cfg attn_loss='kl' has no counterpart in the official "
+                "TinyBERT code, so it runs in mode='masked' only; pass mode=masked or "
+                "attn_loss=mse")
         self.layer_map = self._map()
         if c["w_attn"] != 0.0 and self.layer_map.attention:
             lm.check_attention_heads(self.student_config.num_attention_heads,
@@ -331,6 +352,7 @@ class TinyBertIntermediate(Objective):
         if t_out is None:
             t_out = self._cached_teacher(batch)
         mode, c, lw = self.mode, self.cfg, self._layer_weights
+        attn_loss, hidn_loss = ATTN_LOSSES[c["attn_loss"]], HIDN_LOSSES[c["hidn_loss"]]
         mask, valid = batch["attention_mask"], batch.get("valid")
         terms: Dict[str, Array] = {}
         total = jnp.zeros((), jnp.float32)
@@ -342,13 +364,13 @@ class TinyBertIntermediate(Objective):
                     f"attention logits of student layer {s} / teacher layer {t} are missing: apply "
                     f"the models with attention_logits=obj.student_attention_layers / "
                     "obj.teacher_attention_layers")
-            v = L.attention_mse(sl, tl, mask, mode=mode, valid=valid)
+            v = attn_loss(sl, tl, mask, mode=mode, valid=valid)
             terms[f"attn/{s}"] = terms.get(f"attn/{s}", 0.0) + v
             attn = attn + v
             total = total + lw[s] * c["w_attn"] * v
         for s, t in self._hidden_pairs:
             hs = self._project(proj, s, s_out.hidden_states[s])
-            v = L.hidden_mse(hs, t_out.hidden_states[t], mask, mode=mode, valid=valid)
+            v = hidn_loss(hs, t_out.hidden_states[t], mask, mode=mode, valid=valid)
             if s == 0:
                 terms["embd"] = terms.get("embd", 0.0) + v
                 total = total + lw[0] * c["w_embd"] * v

@@ -61,6 +61,8 @@ def _set(c, field, value):
     ("objective.layer_map", "0:0,1", "not a student:teacher pair"),
     ("objective.layer_weights", (1.0, -1.0), "must be numbers >= 0"),
     ("mesh.data", 0, r"must be -1 \(all devices\) or >= 1"),
+    ("objective.attn_loss", "ce", r"is not valid; expected one of \('mse', 'kl'\)"),
+    ("objective.hidn_loss", "cos", r"is not valid; expected one of \('mse', 'cosine'\)"),
 ])
 def test_bad_values_are_refused_with_field_and_fix(field, value, want):
     c = _set(config_base.base_config(), field, value)
@@ -68,6 +70,18 @@ def test_bad_values_are_refused_with_field_and_fix(field, value, want):
         cc.validate_config(build.with_defaults(c))
     assert f"config.{field}" in str(e.value) or "layer_map" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_attention_kl_in_parity_mode_is_refused_before_the_run():
+    c = _set(config_base.base_config(), "objective.attn_loss", "kl")
+    cc.validate_config(c, paths=False)                 # masked, the default mode: runs
+    c = _set(c, "objective.mode", "tinybert")
+    with pytest.raises(UserError, match="attn_loss='kl' runs in config.objective.mode='masked' "
+                                        "only.*--config.objective.mode=masked") as e:
+        cc.validate_config(c, paths=False)
+    assert "\n" not in str(e.value)
+    # Another objective ignores the key, as it ignores every key it does not read.
+    cc.validate_config(_set(c, "objective.name", "kd"), paths=False)
 
 
 def test_every_shipped_config_is_valid():
@@ -105,6 +119,24 @@ def test_a_failed_start_does_not_own_the_workdir(tmp_path):
     c.data.glue_dir = str(tmp_path / "other")        # the corrected rerun
     cc.check_workdir(c, str(w))
     assert json.loads((w / "config.json").read_text())["config"]["data.glue_dir"] == c.data.glue_dir
+
+
+def test_a_run_recorded_before_the_loss_kinds_resumes_and_another_kind_is_named(tmp_path):
+    """objective.attn_loss / hidn_loss came after runs were recorded: a record without them (as
+    the code before them wrote it) still owns the same config, and a changed kind is named."""
+    w = tmp_path / "w"
+    c = _cfg(tmp_path)
+    cc.check_workdir(c, str(w))
+    rec = json.loads((w / "config.json").read_text())
+    for k in ("objective.attn_loss", "objective.hidn_loss"):
+        rec["config"].pop(k)
+        assert k not in rec["resolved"]
+    (w / "config.json").write_text(json.dumps(rec))
+    (w / "summary.json").write_text("{}")            # a finished run owns the workdir
+    cc.check_workdir(c, str(w))                      # the same run, resumed by today's code
+    c.objective.hidn_loss = "cosine"
+    with pytest.raises(UserError, match=r'objective.hidn_loss: "mse" -> "cosine"'):
+        cc.check_workdir(c, str(w))
 
 
 def test_owned_workdir_accepts_same_data_by_another_path(tmp_path, monkeypatch):

@@ -65,6 +65,29 @@ def np_hid(s, t, mask):
     return (w * (s - t) ** 2).sum() / w.sum()
 
 
+def np_att_kl(s, t, mask):
+    """KL(teacher || student) of the softmax over real keys, mean over heads and real query rows."""
+    s, t = np.asarray(s, np.float64), np.asarray(t, np.float64)
+    total, rows = 0.0, 0
+    for b in range(s.shape[0]):
+        keys = mask[b] > 0
+        for i in np.flatnonzero(keys):
+            rows += 1
+            for h in range(s.shape[1]):
+                p = np.exp(t[b, h, i, keys] - t[b, h, i, keys].max())
+                q = np.exp(s[b, h, i, keys] - s[b, h, i, keys].max())
+                p, q = p / p.sum(), q / q.sum()
+                total += (p * np.log(p / q)).sum()
+    return total / (rows * s.shape[1])
+
+
+def np_cos(s, t, mask):
+    """1 - cos(s, t) per real token, averaged."""
+    s, t = np.asarray(s, np.float64), np.asarray(t, np.float64)
+    cos = (s * t).sum(-1) / (np.linalg.norm(s, axis=-1) * np.linalg.norm(t, axis=-1))
+    return ((1 - cos) * mask).sum() / mask.sum()
+
+
 def np_lsm(x):
     x = np.asarray(x, np.float64)
     x = x - x.max(-1, keepdims=True)
@@ -164,6 +187,46 @@ def test_intermediate_matches_numpy(outs, projection):
     lw = c["layer_weights"]
     expect = 0.5 * hid[0] + sum(lw[m] * (2.0 * att[m] + 3.0 * hid[m]) for m in (1, 2))
     np.testing.assert_allclose(float(total), expect, rtol=1e-5)
+
+
+def test_intermediate_attention_kl_and_cosine_match_numpy(outs):
+    batch, so, to = outs
+    c = {"attn_loss": "kl", "hidn_loss": "cosine", "w_embd": 0.5, "w_attn": 2.0, "w_hidn": 3.0}
+    obj = O.make_objective("tinybert_intermediate", c, S_CFG, T_CFG)
+    proj = obj.init_projection(jax.random.PRNGKey(3))
+    total, terms = obj(proj, so, to, batch)
+    mask = batch["attention_mask"]
+    p = proj["fit_dense"]
+    fit = lambda m: (np.asarray(so.hidden_states[m]) @ np.asarray(p["kernel"])
+                     + np.asarray(p["bias"]))
+    att = {m: np_att_kl(so.attention_logits[m - 1], to.attention_logits[2 * m - 1], mask)
+           for m in (1, 2)}
+    hid = {m: np_cos(fit(m), to.hidden_states[2 * m], mask) for m in (0, 1, 2)}
+    assert all(v > 0 for v in (*att.values(), *hid.values()))
+    np.testing.assert_allclose(float(terms["embd"]), hid[0], rtol=1e-5)
+    for m in (1, 2):
+        np.testing.assert_allclose(float(terms[f"attn/{m}"]), att[m], rtol=1e-5)
+        np.testing.assert_allclose(float(terms[f"hidn/{m}"]), hid[m], rtol=1e-5)
+    expect = 0.5 * hid[0] + sum(2.0 * att[m] + 3.0 * hid[m] for m in (1, 2))
+    np.testing.assert_allclose(float(total), expect, rtol=1e-5)
+    # Equal teacher and student outputs give zero: the terms measure a distance.
+    same = O.make_objective("tinybert_intermediate", dict(c, projection="none"), S_CFG, S_CFG)
+    assert abs(float(same({}, so, so, batch)[0])) < 1e-5
+    g = jax.grad(lambda q: obj(q, so, to, batch)[0])(proj)
+    assert float(jnp.abs(g["fit_dense"]["kernel"]).sum()) > 0
+
+
+def test_intermediate_loss_kinds_are_checked():
+    with pytest.raises(ValueError, match=r"attn_loss='ce'; expected one of \('mse', 'kl'\)"):
+        O.make_objective("tinybert_intermediate", {"attn_loss": "ce"}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match=r"hidn_loss='cos'; expected one of \('mse', 'cosine'\)"):
+        O.make_objective("tinybert_intermediate", {"hidn_loss": "cos"}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match="attn_loss='kl'.*mode='masked' only"):
+        O.make_objective("tinybert_intermediate", {"attn_loss": "kl", "mode": "tinybert"},
+                         S_CFG, T_CFG)
+    # The cosine term has a parity-mode reduction (a plain mean over every position).
+    O.make_objective("tinybert_intermediate", {"hidn_loss": "cosine", "mode": "tinybert"},
+                     S_CFG, T_CFG)
 
 
 def test_intermediate_jit_grad_and_filler_rows(outs):
