@@ -43,7 +43,8 @@ def base_config() -> ml_collections.ConfigDict:
         projection=_default(str), normalize_patience=_default(bool), w_embd=_default(float),
         w_attn=_default(float), w_hidn=_default(float), w_pred=_default(float),
         layer_weights=(),            # lambda_m per student layer 0..M; () = all 1
-        regression_target=_default(str), attn_loss=_default(str), hidn_loss=_default(str)))
+        regression_target=_default(str), attn_loss=_default(str), hidn_loss=_default(str),
+        kd_loss=_default(str)))
 
     c.teacher = ml_collections.ConfigDict(dict(
         path=PACKAGED_TEACHER,   # HF folder / hub name / "packaged"; a fine-tuned one for task stages

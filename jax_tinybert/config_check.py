@@ -161,6 +161,7 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "objective.regression_target": ("teacher", "gold"),
         "objective.attn_loss": tuple(objectives.ATTN_LOSSES),
         "objective.hidn_loss": tuple(objectives.HIDN_LOSSES),
+        "objective.kd_loss": objectives.KD_LOSSES,
         "student.init": config_base.STUDENT_INITS, "data.kind": config_base.DATA_KINDS,
         "data.source": ("tsv", "hf", "tfds"), "data.corpus_mode": ("sentences", "documents"),
         "optim.name": optim.OPTIMIZERS, "optim.schedule": optim.SCHEDULES,
@@ -469,7 +470,8 @@ def _real(p: str) -> str:
 
 # Fields added after runs were recorded, with the one value those runs had: left out of a run's
 # fingerprint at that value, so a run recorded before them resumes; any other value counts.
-ADDED_AT = {"objective.attn_loss": "mse", "objective.hidn_loss": "mse"}
+ADDED_AT = {"objective.attn_loss": "mse", "objective.hidn_loss": "mse",
+            "objective.kd_loss": "ce"}
 
 
 def resolved_fields(config) -> Dict[str, Any]:

@@ -268,6 +268,20 @@ def kl_divergence(s_logits: Array, t_logits: Array, temperature: float = 1.0,
     return loss * temperature ** 2 if t2 else loss
 
 
+def logits_mse(s_logits: Array, t_logits: Array, temperature: float = 1.0, t2: bool = False,
+               valid: Optional[Array] = None) -> Array:
+    """MSE of the logits divided by T: mean over classes, then over examples (TextBrewer's
+    kd_mse_loss; Ba & Caruana's logit regression). One reduction in both modes (no official
+    TinyBERT or PKD counterpart). s_logits, t_logits: [B, C]; valid [B] or None.
+    t2: multiply by T^2, which makes the value that of the raw logits. Returns a scalar.
+    """
+    s, t = _f(s_logits), _f(t_logits)
+    _check_logits("logits_mse", s, t)
+    per_ex = jnp.mean(jnp.square((s - t) / temperature), -1)
+    loss = jnp.mean(per_ex) if valid is None else _example_mean(per_ex, valid)
+    return loss * temperature ** 2 if t2 else loss
+
+
 def cross_entropy(logits: Array, labels: Array, valid: Optional[Array] = None) -> Array:
     """Hard-label cross-entropy: logits [B, C], labels int [B]; mean over examples (both modes)."""
     lg = _f(logits)

@@ -49,6 +49,9 @@ CFG_KEYS = {
                  "over real keys, TextBrewer's attention_ce / MiniLM's; masked mode only)",
     "hidn_loss": "tinybert_intermediate: the embedding and hidden-state terms' loss, 'mse' "
                  "(TinyBERT) or 'cosine' (1 - cos per token, DistilBERT's / TextBrewer's cos)",
+    "kd_loss": "tinybert_pred, kd, pkd on classification: the soft-label term, 'ce' (the "
+               "prediction stage's soft CE, KD's and PKD's KL) or 'mse' (MSE of the logits / T, "
+               "x T^2 with t2: TextBrewer's kd_mse, Ba & Caruana's logit regression)",
     "w_pred": "tinybert_pred: weight of the prediction term",
     "normalize_patience": "pkd: L2-normalise [CLS] vectors before the patience MSE",
     "layer_weights": "tinybert_intermediate: lambda_m per student layer 0..M (default all 1)",
@@ -59,10 +62,12 @@ CFG_KEYS = {
 _COMMON = {"mode": "masked", "temperature": 1.0, "alpha": 0.5, "beta": 0.0, "t2": False,
            "layer_map": "uniform", "projection": "shared", "w_embd": 1.0, "w_attn": 1.0,
            "w_hidn": 1.0, "w_pred": 1.0, "normalize_patience": True, "layer_weights": None,
-           "regression_target": "teacher", "attn_loss": "mse", "hidn_loss": "mse"}
+           "regression_target": "teacher", "attn_loss": "mse", "hidn_loss": "mse",
+           "kd_loss": "ce"}
 PROJECTIONS = ("shared", "per_layer", "none")
 ATTN_LOSSES = {"mse": L.attention_mse, "kl": L.attention_kl}
 HIDN_LOSSES = {"mse": L.hidden_mse, "cosine": L.cosine_hidden_loss}
+KD_LOSSES = ("ce", "mse")
 PKD_PUBLISHED_BETA = 500.0  # Sun et al. 2019, for the official mean over B*K*D
 
 
@@ -103,7 +108,8 @@ def _resolve_cfg(name: str, defaults: dict, cfg: Any) -> dict:
                          f"got {out['temperature']!r}")
     if not 0.0 <= float(out["alpha"]) <= 1.0:
         raise ObjectiveConfigError(f"objective '{name}': cfg alpha must be in [0, 1], got {out['alpha']!r}")
-    for key, kinds in (("attn_loss", ATTN_LOSSES), ("hidn_loss", HIDN_LOSSES)):
+    for key, kinds in (("attn_loss", ATTN_LOSSES), ("hidn_loss", HIDN_LOSSES),
+                       ("kd_loss", KD_LOSSES)):
         if out[key] not in kinds:
             raise ObjectiveConfigError(f"objective '{name}': cfg {key}={out[key]!r}; expected one "
                                        f"of {tuple(kinds)}")
@@ -410,6 +416,9 @@ class TinyBertPred(Objective):
             target = batch["labels"] if c["regression_target"] == "gold" else \
                 self._teacher_logits(t_out, batch)
             v = L.regression_mse(s, target, valid=valid)
+        elif c["kd_loss"] == "mse":
+            v = L.logits_mse(s, self._teacher_logits(t_out, batch), c["temperature"],
+                             t2=c["t2"], valid=valid)
         else:
             v = L.soft_cross_entropy(s, self._teacher_logits(t_out, batch), c["temperature"],
                                      mode=self.mode, t2=c["t2"], valid=valid)
@@ -430,8 +439,10 @@ class _HardAndSoft(Objective):
             soft = L.regression_mse(s, t, valid=valid)
         else:
             hard = L.cross_entropy(s, batch["labels"], valid=valid)
-            soft = L.kl_divergence(s, t, c["temperature"], mode=self.mode, t2=c["t2"],
-                                   valid=valid)
+            soft = (L.logits_mse(s, t, c["temperature"], t2=c["t2"], valid=valid)
+                    if c["kd_loss"] == "mse" else
+                    L.kl_divergence(s, t, c["temperature"], mode=self.mode, t2=c["t2"],
+                                    valid=valid))
         # The official PKD order: alpha * KD + (1 - alpha) * CE.
         return c["alpha"] * soft + (1.0 - c["alpha"]) * hard, {"ce": hard, "kd": soft}
 

@@ -63,6 +63,7 @@ def _set(c, field, value):
     ("mesh.data", 0, r"must be -1 \(all devices\) or >= 1"),
     ("objective.attn_loss", "ce", r"is not valid; expected one of \('mse', 'kl'\)"),
     ("objective.hidn_loss", "cos", r"is not valid; expected one of \('mse', 'cosine'\)"),
+    ("objective.kd_loss", "kl", r"is not valid; expected one of \('ce', 'mse'\)"),
 ])
 def test_bad_values_are_refused_with_field_and_fix(field, value, want):
     c = _set(config_base.base_config(), field, value)
@@ -122,13 +123,14 @@ def test_a_failed_start_does_not_own_the_workdir(tmp_path):
 
 
 def test_a_run_recorded_before_the_loss_kinds_resumes_and_another_kind_is_named(tmp_path):
-    """objective.attn_loss / hidn_loss came after runs were recorded: a record without them (as
-    the code before them wrote it) still owns the same config, and a changed kind is named."""
+    """objective.attn_loss / hidn_loss / kd_loss came after runs were recorded: a record
+    without them (as the code before them wrote it) still owns the same config, and a changed
+    kind is named."""
     w = tmp_path / "w"
     c = _cfg(tmp_path)
     cc.check_workdir(c, str(w))
     rec = json.loads((w / "config.json").read_text())
-    for k in ("objective.attn_loss", "objective.hidn_loss"):
+    for k in ("objective.attn_loss", "objective.hidn_loss", "objective.kd_loss"):
         rec["config"].pop(k)
         assert k not in rec["resolved"]
     (w / "config.json").write_text(json.dumps(rec))

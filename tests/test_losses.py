@@ -265,6 +265,24 @@ def test_kl_divergence(rng, mode):
           float(L.soft_cross_entropy(s, t, 1.0)) - ent, rtol=1e-5)
 
 
+@pytest.mark.parametrize("temp,t2", [(1.0, False), (2.0, False), (2.0, True)])
+def test_logits_mse(rng, temp, t2):
+    s = rng.normal(0, 2, (B, C)).astype(np.float32)
+    t = rng.normal(0, 2, (B, C)).astype(np.float32)
+    d = (s.astype(np.float64) - t) / temp
+    per_ex = (d ** 2).sum(-1) / C                      # mean over the classes
+    scale = temp ** 2 if t2 else 1.0
+    close(L.logits_mse(s, t, temp, t2=t2), scale * per_ex.mean(), rtol=1e-5)
+    close(L.logits_mse(s, t, temp, t2=t2, valid=VALID),
+          scale * (VALID * per_ex).sum() / VALID.sum(), rtol=1e-5)
+    if t2:   # T^2 undoes the division: the raw logits' MSE
+        close(L.logits_mse(s, t, temp, t2=True), ((s.astype(np.float64) - t) ** 2).mean(),
+              rtol=1e-5)
+    assert float(L.logits_mse(s, s, temp)) == 0.0
+    with pytest.raises(ValueError, match="same number of labels"):
+        L.logits_mse(s, t[:, :2])
+
+
 def test_hard_labels(rng):
     s = rng.normal(size=(B, C)).astype(np.float32)
     y = np.array([0, 3, 1])

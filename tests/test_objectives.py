@@ -216,11 +216,38 @@ def test_intermediate_attention_kl_and_cosine_match_numpy(outs):
     assert float(jnp.abs(g["fit_dense"]["kernel"]).sum()) > 0
 
 
+@pytest.mark.parametrize("name", ["tinybert_pred", "kd", "pkd"])
+def test_kd_loss_mse_is_the_logits_mse(outs, name):
+    """kd_loss='mse': the soft-label term is mean over classes of ((s - t) / T)^2 (x T^2 with
+    t2), and KD / PKD mix it with the hard-label CE as before."""
+    batch, so, to = outs
+    c = {"kd_loss": "mse", "temperature": 2.0, "alpha": 0.25, "beta": 0.0}
+    if name == "pkd":
+        c["projection"] = "shared"
+    obj = O.make_objective(name, c, S_CFG, T_CFG)
+    total, terms = obj(obj.init_projection(jax.random.PRNGKey(0)), so, to, batch)
+    s, t = np.asarray(so.logits, np.float64), np.asarray(to.logits, np.float64)
+    t2 = obj.cfg["t2"]
+    mse = (((s - t) / 2.0) ** 2).mean(-1).mean() * (4.0 if t2 else 1.0)
+    if name == "tinybert_pred":
+        assert not t2
+        np.testing.assert_allclose(float(terms["pred"]), mse, rtol=1e-5)
+        np.testing.assert_allclose(float(total), mse, rtol=1e-5)
+        return
+    assert t2   # KD's and PKD's default: the raw logits' MSE
+    lsm = np_lsm(s)
+    ce = -lsm[np.arange(B), batch["labels"]].mean()
+    np.testing.assert_allclose(float(terms["kd"]), mse, rtol=1e-5)
+    np.testing.assert_allclose(float(total), 0.25 * mse + 0.75 * ce, rtol=1e-5)
+
+
 def test_intermediate_loss_kinds_are_checked():
     with pytest.raises(ValueError, match=r"attn_loss='ce'; expected one of \('mse', 'kl'\)"):
         O.make_objective("tinybert_intermediate", {"attn_loss": "ce"}, S_CFG, T_CFG)
     with pytest.raises(ValueError, match=r"hidn_loss='cos'; expected one of \('mse', 'cosine'\)"):
         O.make_objective("tinybert_intermediate", {"hidn_loss": "cos"}, S_CFG, T_CFG)
+    with pytest.raises(ValueError, match=r"kd_loss='kl'; expected one of \('ce', 'mse'\)"):
+        O.make_objective("kd", {"kd_loss": "kl"}, S_CFG, T_CFG)
     with pytest.raises(ValueError, match="attn_loss='kl'.*mode='masked' only"):
         O.make_objective("tinybert_intermediate", {"attn_loss": "kl", "mode": "tinybert"},
                          S_CFG, T_CFG)
