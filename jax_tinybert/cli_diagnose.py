@@ -88,8 +88,17 @@ def _field_type_hint(config, path: str) -> str:
     if path not in fields:
         return ""
     v = fields[path]
-    word = _TYPE_WORDS.get(type(v), type(v).__name__)
-    return f"config.{path} expects {word} (default {v!r})"
+    kind, default = type(v), repr(v)
+    if v is None:
+        # config_base's typed None: "the named objective's / optimizer's own default".
+        parent, _, leaf = path.rpartition(".")
+        try:
+            kind = (fields[parent] if parent else config).get_ref(leaf).get_type()
+        except (AttributeError, KeyError, ValueError):
+            pass
+        default = "None: the named objective's or optimizer's own"
+    word = _TYPE_WORDS.get(kind, kind.__name__)
+    return f"config.{path} expects {word} (default {default})"
 
 
 def diagnose(argv: List[str], exc: BaseException) -> BaseException:

@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
         w_attn=_default(float), w_hidn=_default(float), w_pred=_default(float),
         layer_weights=(),            # lambda_m per student layer 0..M; () = all 1
         regression_target=_default(str), attn_loss=_default(str), hidn_loss=_default(str),
-        kd_loss=_default(str)))
+        kd_loss=_default(str), probability_shift=_default(bool)))
 
     c.teacher = ml_collections.ConfigDict(dict(
         path=PACKAGED_TEACHER,   # HF folder / hub name / "packaged"; a fine-tuned one for task stages

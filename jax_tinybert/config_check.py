@@ -471,7 +471,7 @@ def _real(p: str) -> str:
 # Fields added after runs were recorded, with the one value those runs had: left out of a run's
 # fingerprint at that value, so a run recorded before them resumes; any other value counts.
 ADDED_AT = {"objective.attn_loss": "mse", "objective.hidn_loss": "mse",
-            "objective.kd_loss": "ce"}
+            "objective.kd_loss": "ce", "objective.probability_shift": False}
 
 
 def resolved_fields(config) -> Dict[str, Any]:

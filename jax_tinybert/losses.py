@@ -282,6 +282,24 @@ def logits_mse(s_logits: Array, t_logits: Array, temperature: float = 1.0, t2: b
     return loss * temperature ** 2 if t2 else loss
 
 
+def probability_shift(t_logits: Array, labels: Array) -> Array:
+    """The teacher's logits [B, C] with, in each row where its largest logit is not the gold
+    label's (int labels [B]), those two values swapped, so its soft targets peak at the gold
+    label (TextBrewer's probability_shift); rows it gets right are unchanged. Returns [B, C].
+    """
+    t = _f(t_logits)
+    if t.ndim != 2:
+        raise ValueError(f"probability_shift: logits must be [B, C], got shape {t.shape}")
+    labels = jnp.asarray(labels).astype(jnp.int32)
+    top = jnp.argmax(t, axis=-1)
+    t_top = jnp.take_along_axis(t, top[:, None], axis=-1)
+    t_gold = jnp.take_along_axis(t, labels[:, None], axis=-1)
+    classes = jnp.arange(t.shape[-1])[None, :]
+    # Where top == gold both masks pick one column and the two values are equal: no change.
+    return jnp.where(classes == top[:, None], t_gold,
+                     jnp.where(classes == labels[:, None], t_top, t))
+
+
 def cross_entropy(logits: Array, labels: Array, valid: Optional[Array] = None) -> Array:
     """Hard-label cross-entropy: logits [B, C], labels int [B]; mean over examples (both modes)."""
     lg = _f(logits)

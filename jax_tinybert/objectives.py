@@ -52,6 +52,9 @@ CFG_KEYS = {
     "kd_loss": "tinybert_pred, kd, pkd on classification: the soft-label term, 'ce' (the "
                "prediction stage's soft CE, KD's and PKD's KL) or 'mse' (MSE of the logits / T, "
                "x T^2 with t2: TextBrewer's kd_mse, Ba & Caruana's logit regression)",
+    "probability_shift": "tinybert_pred, kd, pkd on classification: swap the teacher's largest "
+                         "logit with the gold label's where they differ, so the soft targets "
+                         "peak at the gold label (TextBrewer's probability_shift)",
     "w_pred": "tinybert_pred: weight of the prediction term",
     "normalize_patience": "pkd: L2-normalise [CLS] vectors before the patience MSE",
     "layer_weights": "tinybert_intermediate: lambda_m per student layer 0..M (default all 1)",
@@ -63,7 +66,7 @@ _COMMON = {"mode": "masked", "temperature": 1.0, "alpha": 0.5, "beta": 0.0, "t2"
            "layer_map": "uniform", "projection": "shared", "w_embd": 1.0, "w_attn": 1.0,
            "w_hidn": 1.0, "w_pred": 1.0, "normalize_patience": True, "layer_weights": None,
            "regression_target": "teacher", "attn_loss": "mse", "hidn_loss": "mse",
-           "kd_loss": "ce"}
+           "kd_loss": "ce", "probability_shift": False}
 PROJECTIONS = ("shared", "per_layer", "none")
 ATTN_LOSSES = {"mse": L.attention_mse, "kl": L.attention_kl}
 HIDN_LOSSES = {"mse": L.hidden_mse, "cosine": L.cosine_hidden_loss}
@@ -121,6 +124,7 @@ def _resolve_cfg(name: str, defaults: dict, cfg: Any) -> dict:
             out[k] = float(out[k])
     out["t2"] = bool(out["t2"])
     out["normalize_patience"] = bool(out["normalize_patience"])
+    out["probability_shift"] = bool(out["probability_shift"])
     return out
 
 
@@ -240,6 +244,12 @@ class Objective:
             return batch["teacher_logits"]
         raise ValueError(f"objective '{self.name}' needs the teacher's logits: pass t_out from a "
                          "classification teacher or batch['teacher_logits'] from the teacher cache")
+
+    def _soft_targets(self, t_out, batch) -> Array:
+        """The teacher's logits a classification soft-label term reads (probability_shift:
+        shifted to peak at batch['labels'])."""
+        t = self._teacher_logits(t_out, batch)
+        return L.probability_shift(t, batch["labels"]) if self.cfg["probability_shift"] else t
 
     def _teacher_cls(self, t_out, batch) -> Array:
         if t_out is not None:
@@ -417,10 +427,10 @@ class TinyBertPred(Objective):
                 self._teacher_logits(t_out, batch)
             v = L.regression_mse(s, target, valid=valid)
         elif c["kd_loss"] == "mse":
-            v = L.logits_mse(s, self._teacher_logits(t_out, batch), c["temperature"],
+            v = L.logits_mse(s, self._soft_targets(t_out, batch), c["temperature"],
                              t2=c["t2"], valid=valid)
         else:
-            v = L.soft_cross_entropy(s, self._teacher_logits(t_out, batch), c["temperature"],
+            v = L.soft_cross_entropy(s, self._soft_targets(t_out, batch), c["temperature"],
                                      mode=self.mode, t2=c["t2"], valid=valid)
         return c["w_pred"] * v, {"pred": v}
 
@@ -438,6 +448,7 @@ class _HardAndSoft(Objective):
             hard = L.regression_mse(s, batch["labels"], valid=valid)
             soft = L.regression_mse(s, t, valid=valid)
         else:
+            t = self._soft_targets(t_out, batch)
             hard = L.cross_entropy(s, batch["labels"], valid=valid)
             soft = (L.logits_mse(s, t, c["temperature"], t2=c["t2"], valid=valid)
                     if c["kd_loss"] == "mse" else

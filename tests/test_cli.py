@@ -88,6 +88,10 @@ BAD_INPUTS = [  # (extra args, replacing FINETUNE's where the flag is the same; 
     (["--config.objective.foo=1"], ["unknown field config.objective.foo"]),
     (["--config.train.batch_size=abc"], ["--config.train.batch_size=abc: bad value",
                                          "expects an integer"]),
+    # Fields whose default is the objective's own (None in config_base): their type, not None's.
+    (["--config.objective.temperature=abc"], ["--config.objective.temperature=abc: bad value",
+                                              "expects a number (default None: the named"]),
+    (["--config.objective.probability_shift=yes"], ["expects true or false (default None"]),
     (["--config.optim.learning_rate=-3e-5"], ["config.optim.learning_rate=-3e-05 must be > 0",
                                               "--config.optim.learning_rate="]),
     (["--config.train.num_steps=-1"], ["config.train.num_steps=-1 must be >= 0"]),

@@ -123,14 +123,15 @@ def test_a_failed_start_does_not_own_the_workdir(tmp_path):
 
 
 def test_a_run_recorded_before_the_loss_kinds_resumes_and_another_kind_is_named(tmp_path):
-    """objective.attn_loss / hidn_loss / kd_loss came after runs were recorded: a record
-    without them (as the code before them wrote it) still owns the same config, and a changed
-    kind is named."""
+    """objective.attn_loss / hidn_loss / kd_loss / probability_shift came after runs were
+    recorded: a record without them (as the code before them wrote it) still owns the same
+    config, and a changed kind is named."""
     w = tmp_path / "w"
     c = _cfg(tmp_path)
     cc.check_workdir(c, str(w))
     rec = json.loads((w / "config.json").read_text())
-    for k in ("objective.attn_loss", "objective.hidn_loss", "objective.kd_loss"):
+    for k in ("objective.attn_loss", "objective.hidn_loss", "objective.kd_loss",
+              "objective.probability_shift"):
         rec["config"].pop(k)
         assert k not in rec["resolved"]
     (w / "config.json").write_text(json.dumps(rec))

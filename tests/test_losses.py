@@ -283,6 +283,22 @@ def test_logits_mse(rng, temp, t2):
         L.logits_mse(s, t[:, :2])
 
 
+def test_probability_shift(rng):
+    t = rng.normal(0, 2, (8, C)).astype(np.float32)
+    labels = rng.integers(0, C, 8)
+    labels[:2] = t[:2].argmax(-1)                     # two rows the teacher gets right
+    want = t.copy()
+    for b in range(8):                                # swap the top value and the gold one
+        top = t[b].argmax()
+        want[b, top], want[b, labels[b]] = t[b, labels[b]], t[b, top]
+    got = np.asarray(L.probability_shift(t, labels))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[:2], t[:2])     # right rows unchanged
+    assert (got.argmax(-1) == labels).all()
+    assert (t.argmax(-1) != labels).sum() >= 3        # the case is exercised
+    np.testing.assert_array_equal(np.sort(got, -1), np.sort(t, -1))   # a permutation per row
+
+
 def test_hard_labels(rng):
     s = rng.normal(size=(B, C)).astype(np.float32)
     y = np.array([0, 3, 1])

@@ -241,6 +241,35 @@ def test_kd_loss_mse_is_the_logits_mse(outs, name):
     np.testing.assert_allclose(float(total), 0.25 * mse + 0.75 * ce, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["tinybert_pred", "kd"])
+def test_probability_shift_makes_the_soft_targets_peak_at_the_gold_label(outs, name):
+    batch, so, to = outs
+    t = np.asarray(to.logits, np.float64).copy()
+    labels = np.asarray(batch["labels"])
+    wrong = t.argmax(-1) != labels
+    assert wrong.any() and not wrong.all()            # both kinds of row in the batch
+    for b in np.flatnonzero(wrong):
+        top = t[b].argmax()
+        t[b, top], t[b, labels[b]] = t[b, labels[b]], t[b, top]
+    s, temp = np.asarray(so.logits, np.float64), 2.0
+    p = np.exp(np_lsm(t / temp))
+    if name == "tinybert_pred":
+        want = -(p * np_lsm(s / temp)).sum(-1).mean()          # soft CE, masked mode
+        key = "pred"
+    else:
+        want = (p * (np.log(p) - np_lsm(s / temp))).sum(-1).mean() * temp ** 2   # KL x T^2
+        key = "kd"
+    shifted = O.make_objective(name, {"probability_shift": True, "temperature": temp},
+                               S_CFG, T_CFG)
+    plain = O.make_objective(name, {"temperature": temp}, S_CFG, T_CFG)
+    got = float(shifted({}, so, to, batch)[1][key])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert abs(float(plain({}, so, to, batch)[1][key]) - got) > 1e-3
+    # From the teacher cache (no live teacher) the same shift applies.
+    cached = dict(batch, teacher_logits=to.logits)
+    np.testing.assert_allclose(float(shifted({}, so, None, cached)[1][key]), want, rtol=1e-5)
+
+
 def test_intermediate_loss_kinds_are_checked():
     with pytest.raises(ValueError, match=r"attn_loss='ce'; expected one of \('mse', 'kl'\)"):
         O.make_objective("tinybert_intermediate", {"attn_loss": "ce"}, S_CFG, T_CFG)
