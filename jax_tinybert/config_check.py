@@ -468,20 +468,13 @@ def _real(p: str) -> str:
     return os.path.realpath(os.path.expanduser(p)) if p and "://" not in p else p
 
 
-# Fields added after runs were recorded, with the one value those runs had: left out of a run's
-# fingerprint at that value, so a run recorded before them resumes; any other value counts.
-ADDED_AT = {"objective.attn_loss": "mse", "objective.hidn_loss": "mse",
-            "objective.kd_loss": "ce", "objective.probability_shift": False}
-
-
 def resolved_fields(config) -> Dict[str, Any]:
     """The fields that decide the trained model, with paths resolved to the folders they name
     (relative paths, $GLUE_DIR and symlinks give the same value for the same data) and the
-    fields that the data kind does not read left out (and ADDED_AT's at their old value)."""
+    fields that the data kind does not read left out."""
     flat = _flat(config)
     out = {k: v for k, v in flat.items()
-           if k not in NO_RESULT_CHANGE and k not in SCHEDULE_FIELDS
-           and not (k in ADDED_AT and v in (None, ADDED_AT[k]))}
+           if k not in NO_RESULT_CHANGE and k not in SCHEDULE_FIELDS}
     kind = flat.get("data.kind")
     if kind == "glue":
         out["data.glue_dir"] = _real(flat.get("data.glue_dir") or os.environ.get("GLUE_DIR", ""))
@@ -562,7 +555,11 @@ def check_workdir(config, workdir: str) -> None:
         old_resolved = old.get("resolved") or {
             k: v for k, v in old.get("config", {}).items() if k not in RESUMABLE_CHANGES}
         if old.get("fingerprint") != fp:
-            defaults = {**ADDED_AT, **resolved_fields(config_base.base_config())}
+            # A field the record lacks (added since it was written) had its default then; an
+            # objective field's default is the named objective's own (base_config says None).
+            defaults = {**resolved_fields(config_base.base_config()),
+                        **{f"objective.{k}": v for k, v in
+                           objectives.DEFAULTS.get(config.objective.name, {}).items()}}
             diff = sorted(
                 k for k in set(resolved) | set(old_resolved)
                 if _show(resolved.get(k, defaults.get(k))) !=

@@ -245,11 +245,17 @@ class Objective:
         raise ValueError(f"objective '{self.name}' needs the teacher's logits: pass t_out from a "
                          "classification teacher or batch['teacher_logits'] from the teacher cache")
 
-    def _soft_targets(self, t_out, batch) -> Array:
-        """The teacher's logits a classification soft-label term reads (probability_shift:
-        shifted to peak at batch['labels'])."""
+    def _soft_term(self, s: Array, t_out, batch, ce) -> Array:
+        """A classification soft-label term: `ce` (this objective's soft CE / KL, called as
+        ce(s, t, T, mode=, t2=, valid=)) or the logits' MSE (kd_loss='mse'), against the
+        teacher's logits (probability_shift: shifted to peak at batch['labels'])."""
+        c, valid = self.cfg, batch.get("valid")
         t = self._teacher_logits(t_out, batch)
-        return L.probability_shift(t, batch["labels"]) if self.cfg["probability_shift"] else t
+        if c["probability_shift"]:
+            t = L.probability_shift(t, batch["labels"])
+        if c["kd_loss"] == "mse":
+            return L.logits_mse(s, t, c["temperature"], t2=c["t2"], valid=valid)
+        return ce(s, t, c["temperature"], mode=self.mode, t2=c["t2"], valid=valid)
 
     def _teacher_cls(self, t_out, batch) -> Array:
         if t_out is not None:
@@ -426,12 +432,8 @@ class TinyBertPred(Objective):
             target = batch["labels"] if c["regression_target"] == "gold" else \
                 self._teacher_logits(t_out, batch)
             v = L.regression_mse(s, target, valid=valid)
-        elif c["kd_loss"] == "mse":
-            v = L.logits_mse(s, self._soft_targets(t_out, batch), c["temperature"],
-                             t2=c["t2"], valid=valid)
         else:
-            v = L.soft_cross_entropy(s, self._soft_targets(t_out, batch), c["temperature"],
-                                     mode=self.mode, t2=c["t2"], valid=valid)
+            v = self._soft_term(s, t_out, batch, L.soft_cross_entropy)
         return c["w_pred"] * v, {"pred": v}
 
 
@@ -442,18 +444,13 @@ class _HardAndSoft(Objective):
     reads_tokens = False   # PKD's patience loss reads [CLS] vectors only
 
     def _hard_and_soft(self, s_out, t_out, batch):
-        c, valid = self.cfg, batch.get("valid")
-        s, t = s_out.logits, self._teacher_logits(t_out, batch)
+        c, valid, s = self.cfg, batch.get("valid"), s_out.logits
         if self.is_regression:
             hard = L.regression_mse(s, batch["labels"], valid=valid)
-            soft = L.regression_mse(s, t, valid=valid)
+            soft = L.regression_mse(s, self._teacher_logits(t_out, batch), valid=valid)
         else:
-            t = self._soft_targets(t_out, batch)
             hard = L.cross_entropy(s, batch["labels"], valid=valid)
-            soft = (L.logits_mse(s, t, c["temperature"], t2=c["t2"], valid=valid)
-                    if c["kd_loss"] == "mse" else
-                    L.kl_divergence(s, t, c["temperature"], mode=self.mode, t2=c["t2"],
-                                    valid=valid))
+            soft = self._soft_term(s, t_out, batch, L.kl_divergence)
         # The official PKD order: alpha * KD + (1 - alpha) * CE.
         return c["alpha"] * soft + (1.0 - c["alpha"]) * hard, {"ce": hard, "kd": soft}
 

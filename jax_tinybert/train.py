@@ -25,7 +25,8 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_tinybert import build, cpu, fs, precompile, teacher_cache, teacher_stream, work, workdir_lock
+from jax_tinybert import (build, cpu, fs, precompile, teacher_cache, teacher_stream, work,
+                          workdir_lock)
 from jax_tinybert import metrics as M
 from jax_tinybert import sharding as shd
 from jax_tinybert import step as step_lib
