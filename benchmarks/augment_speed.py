@@ -74,9 +74,9 @@ def official_way(mlm_dir: str, sentences, max_words: int = 0) -> dict:
 
 
 def ours(mode: str, mlm_dir: str, sentences, N: int = 20) -> dict:
-    from jax_tinybert import hf
+    from jax_tinybert.model import hf
     from jax_tinybert.data import augment, tokenize
-    from jax_tinybert.modeling import BertForMaskedLM
+    from jax_tinybert.model.modeling import BertForMaskedLM
 
     tok = tokenize.load_tokenizer(mlm_dir)
     if mode == "mlm":

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.cpu import cpu_name  # noqa: E402
+from jax_tinybert.speed.cpu import cpu_name  # noqa: E402
 
 HANDLER = r"""
 #include <cstdint>

@@ -35,11 +35,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert.cpu import cpu_name  # noqa: E402
-from jax_tinybert import build, plan, teacher_cache  # noqa: E402
-from jax_tinybert import sharding as shd  # noqa: E402
-from jax_tinybert import step as step_lib  # noqa: E402
-from jax_tinybert.modeling import BertConfig, init_params  # noqa: E402
+from jax_tinybert.speed.cpu import cpu_name  # noqa: E402
+from jax_tinybert.train import build  # noqa: E402
+from jax_tinybert.cli import plan  # noqa: E402
+from jax_tinybert.teacher import cache as teacher_cache  # noqa: E402
+from jax_tinybert.parallel import sharding as shd  # noqa: E402
+from jax_tinybert.train import step as step_lib  # noqa: E402
+from jax_tinybert.model.modeling import BertConfig, init_params  # noqa: E402
 
 STAGES = {"finetune": "finetune", "intermediate": "tinybert_intermediate",
           "pred": "tinybert_pred"}

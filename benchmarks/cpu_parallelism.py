@@ -22,7 +22,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
+from jax_tinybert.speed.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
 
 if __name__ == "__main__":
     restart_unless_set()
@@ -83,7 +83,7 @@ def part_dots(B=32, T=128, H=12):
 
 def part_devices(stages, lengths, rounds):
     import step_throughput as st
-    from jax_tinybert import sharding as shd
+    from jax_tinybert.parallel import sharding as shd
 
     if len(jax.devices()) < 2:
         raise SystemExit("needs 2 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")

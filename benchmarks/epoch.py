@@ -31,10 +31,10 @@ step and vs the PyTorch reference (benchmarks/step_throughput.py), and the best 
 any library reaches here (XLA and torch/MKL, 2048^3) with the step's share of it. Our step is the
 one a run of `--step_run_steps` (1,000) steps in one length bucket trains, as the official
 recipe's long stages do: on CPU with its forwards in row chunks, and the prediction and
-fine-tuning steps with their update fused (jax_tinybert/build.py).
+fine-tuning steps with their update fused (jax_tinybert/train/build.py).
 
 Each epoch's work is what the run itself reports by XLA's cost analysis of the programs it ran
-(the teacher's cache pass and the compiled-ahead train and eval steps; jax_tinybert/work.py).
+(the teacher's cache pass and the compiled-ahead train and eval steps; jax_tinybert/flops.py).
 Divided by the best matmul rate it gives the least time our programs could take here, and so the
 epoch's ceiling: the speed-up over the reference it would reach were the whole process (start-up,
 compilation and host work included) to run at that rate. A target above the ceiling cannot be
@@ -61,8 +61,8 @@ from typing import Callable, Dict, List, Optional
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert import malloc  # noqa: E402
-from jax_tinybert.cpu import cpuinfo  # noqa: E402
+from jax_tinybert.speed import malloc  # noqa: E402
+from jax_tinybert.speed.cpu import cpuinfo  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(_HERE)

@@ -164,7 +164,7 @@ def _damage(step_dir, how, rng):
 
 
 def _reference(straight, sub, step, abstract):
-    from jax_tinybert.checkpoints import Checkpointer
+    from jax_tinybert.train.checkpoints import Checkpointer
 
     c = Checkpointer(straight, best_metric="main")
     try:
@@ -199,7 +199,7 @@ def _orbax_alone(directory, step, abstract, reference):
 def damage(straight, work, rng):
     import logging
 
-    from jax_tinybert.checkpoints import Checkpointer
+    from jax_tinybert.train.checkpoints import Checkpointer
 
     kinds = ["overwrite 4 KiB mid-file", "flip 1 byte", "truncate data file",
              "delete data file", "delete random file", "garble meta JSON"]
@@ -218,7 +218,7 @@ def damage(straight, work, rng):
             records = []
             handler = logging.Handler()
             handler.emit = records.append
-            logging.getLogger("jax_tinybert.checkpoints").addHandler(handler)
+            logging.getLogger("jax_tinybert.train.checkpoints").addHandler(handler)
             try:
                 c = Checkpointer(wd, best_metric="main")
                 try:
@@ -233,7 +233,7 @@ def damage(straight, work, rng):
                     intact = False
                 c.close()
             finally:
-                logging.getLogger("jax_tinybert.checkpoints").removeHandler(handler)
+                logging.getLogger("jax_tinybert.train.checkpoints").removeHandler(handler)
             msgs = [r.getMessage() for r in records]
             by = ("sha256 digest" if any("damaged (" in m for m in msgs) else
                   "orbax read error" if any("unreadable" in m for m in msgs) else "-")

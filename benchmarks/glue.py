@@ -120,13 +120,13 @@ def _load_config(name: str, arg: str):
 # The demo's stage runner (skip finished stages, apply overrides); imported lazily so JAX starts
 # only after this script has set its environment.
 def _set(c, overrides: Dict[str, object]):
-    from jax_tinybert.pipeline import apply_overrides
+    from jax_tinybert.cli.demo import apply_overrides
 
     return apply_overrides(c, overrides)
 
 
 def _run(cfg, workdir: str) -> dict:
-    from jax_tinybert.pipeline import run_stage
+    from jax_tinybert.cli.demo import run_stage
 
     return run_stage(cfg, workdir)
 
@@ -158,8 +158,8 @@ def _augmenter(mlm: str, tokenizer_dir: str, N: int, K: int, max_len: int):
     import jax
 
     from jax_tinybert.data import augment, tokenize
-    from jax_tinybert.hf import load_pretrained
-    from jax_tinybert.modeling import BertConfig, BertForMaskedLM, init_params
+    from jax_tinybert.model.hf import load_pretrained
+    from jax_tinybert.model.modeling import BertConfig, BertForMaskedLM, init_params
 
     tok = tokenize.load_tokenizer(tokenizer_dir if mlm == "random-tiny" else mlm)
     if mlm == "random-tiny":
@@ -354,9 +354,9 @@ def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int,
                 student_epochs: float) -> dict:
     """<tdir>/data/train_aug.tsv: embedding-neighbour DA from the teacher's word embeddings, or
     MLM DA with --mlm; N from `da_n` (or --da_N)."""
-    from jax_tinybert import hf
+    from jax_tinybert.model import hf
     from jax_tinybert.data import augment, glue, tokenize
-    from jax_tinybert.modeling import BertForMaskedLM
+    from jax_tinybert.model.modeling import BertForMaskedLM
 
     out = os.path.join(tdir, "data", "train_aug.tsv")
     info_path = out + ".json"
@@ -572,7 +572,7 @@ def _metric(summary: dict) -> Optional[float]:
 
 def measure_inference(tdir: str, task: str, b: dict, cache: dict) -> dict:
     """Teacher vs student jitted forward (batch 32 x the task's max length), median ms."""
-    from jax_tinybert.pipeline import inference_ms
+    from jax_tinybert.cli.demo import inference_ms
 
     path = os.path.join(tdir, "inference.json")
     if os.path.exists(path):
@@ -594,7 +594,7 @@ def majority_baseline(args, task: str) -> Optional[float]:
     classification tasks only): the score a collapsed student gets."""
     import numpy as np
 
-    from jax_tinybert import metrics
+    from jax_tinybert.train import metrics
     from jax_tinybert.data import glue
 
     spec = glue.get_task(task)
@@ -707,7 +707,7 @@ def _model_folder_problem(path: str) -> str:
     """What keeps the folder `path` (local or gs://) from being a model a stage can load ('' if
     nothing): the files `config_check` asks of config.teacher.path, here before any stage runs."""
     from jax_tinybert import fs
-    from jax_tinybert.config_check import missing_model_files
+    from jax_tinybert.config.check import missing_model_files
 
     remote = fs.is_remote(path)
     if remote:
@@ -817,7 +817,7 @@ def main(argv=None) -> str:
         ap.error("--mlm random-tiny: a wiring check of budgets small, hour and full; budget cpu "
                  "augments with a masked LM folder or hub name, or without --mlm with the "
                  "teacher's embedding neighbours")
-    from jax_tinybert.config_check import looks_local
+    from jax_tinybert.config.check import looks_local
 
     # Model folders are checked now, not stages later (the masked LM is first read after four
     # stages); a hub name when a stage loads it (a one-line error too, below).
@@ -855,7 +855,7 @@ def main(argv=None) -> str:
         ap.error(f"--init_layers: layer {bad[0]} is not a teacher layer (the packaged MiniLM has "
                  f"layers 1..{CPU_TEACHER_LAYERS})")
     args.layer_map = args.layer_map or CPU["inter_layer_map"]
-    from jax_tinybert import layer_maps
+    from jax_tinybert.distill import layer_maps
     try:
         layer_maps.from_spec(args.layer_map, len(args.init_layers), CPU_TEACHER_LAYERS)
     except layer_maps.LayerMapError as e:
@@ -925,7 +925,7 @@ def cli(argv=None) -> int:
         return 0
     except Exception as e:
         from jax_tinybert.errors import EXIT_USER_ERROR, UserError, one_line
-        from jax_tinybert.preemption import Preempted  # JAX starts after main() set its env
+        from jax_tinybert.train.preemption import Preempted  # JAX starts after main() set its env
 
         if isinstance(e, UserError):
             # A stage refused its config (a hub name that cannot be loaded, a damaged model): one

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU user waits for, in one prepared call on a lent GPU machine (a bare image with JAX,
 # flax and PyTorch, no network): SST-2 through the CLI, one process per stage, as the README runs
-# it, with the defaults the CLI picks on a GPU (compile flags: jax_tinybert/xla_flags.py; per-token
+# it, with the defaults the CLI picks on a GPU (compile flags: jax_tinybert/speed/xla_flags.py; per-token
 # cache: build.AUTO_CACHE_BACKENDS; buckets: build.AUTO_COMPILE_STEPS_ACCELERATOR).
 #
 #   benchmarks/gpu_check.sh prepare        # here: fills .gpu/ (~52 MB; add /.gpu/ to .git/info/exclude)
@@ -116,7 +116,7 @@ part() { [[ " $PARTS " == *" $1 "* ]]; }
 part 0 && {
 echo "== 0: tokenizing SST-2's train set (10 s on an H200's host in session 28, 1.5 s on a 2-core Xeon)" \
     | tee -a "$OUT/log"
-# The last: all threads in one malloc arena, as the CLI ran before session 31 (jax_tinybert/malloc.py).
+# The last: all threads in one malloc arena, as the CLI ran before session 31 (jax_tinybert/speed/malloc.py).
 for n in "" 1 4 arena1; do
   one=(); [[ $n == arena1 ]] && { one=(MALLOC_ARENA_MAX=1); n=; }
   env "${one[@]}" RAYON_NUM_THREADS=$n timeout 120 "$PY" - "$PWD/$G/glue" "$T" <<'EOF' 2>&1 | tail -1 | tee -a "$OUT/log"

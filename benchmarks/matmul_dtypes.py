@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from jax_tinybert.cpu import PROC_CPUINFO, cpu_name, cpuinfo, fast_bf16  # noqa: E402
+from jax_tinybert.speed.cpu import PROC_CPUINFO, cpu_name, cpuinfo, fast_bf16  # noqa: E402
 
 SHAPES = ((2048, 2048, 2048),      # the usual peak
           (4096, 312, 1200),       # student FFN in

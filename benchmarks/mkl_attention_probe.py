@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
+from jax_tinybert.speed.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
 
 HANDLER = r"""
 #include <cstdint>
@@ -91,8 +91,8 @@ def main(argv=None):
     import ab_modeling
     import step_throughput as st
     from blas_ffi_probe import build_ffi_library
-    from jax_tinybert.cpu import cpu_name
-    from jax_tinybert import modeling
+    from jax_tinybert.speed.cpu import cpu_name
+    from jax_tinybert.model import modeling
 
     lib_dir = os.path.dirname(os.path.abspath(args.mkl_lib))
     lib = ctypes.cdll.LoadLibrary(build_ffi_library(HANDLER, "mkl_bmm", (

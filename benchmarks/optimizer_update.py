@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jax_tinybert import malloc  # noqa: E402
+from jax_tinybert.speed import malloc  # noqa: E402
 
 malloc.restart_unless_set()   # the CLI's allocator, before JAX is imported
 
@@ -32,8 +32,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import step_throughput as st  # noqa: E402
-from jax_tinybert import optim, step as step_lib  # noqa: E402
-from jax_tinybert.train_state import TrainState  # noqa: E402
+from jax_tinybert import optim  # noqa: E402
+from jax_tinybert.train import step as step_lib  # noqa: E402
+from jax_tinybert.train.state import TrainState  # noqa: E402
 
 OPT = dict(name="adamw", learning_rate=5e-5, schedule="warmup_linear", warmup_ratio=0.1,
            weight_decay=0.01, clip_norm=1.0, eps=1e-6, pad_token_id=0)

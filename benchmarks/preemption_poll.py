@@ -34,7 +34,7 @@ def worker(a):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jax_tinybert.preemption import Preemption
+    from jax_tinybert.train.preemption import Preemption
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))

@@ -31,7 +31,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
+from jax_tinybert.speed.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
 
 if __name__ == "__main__":
     restart_unless_set()
@@ -51,10 +51,10 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from jax_tinybert.cpu import cpu_name  # noqa: E402
-from jax_tinybert import build, train  # noqa: E402
-from jax_tinybert import step as step_lib  # noqa: E402
-from jax_tinybert.config_check import validate_config  # noqa: E402
+from jax_tinybert.speed.cpu import cpu_name  # noqa: E402
+from jax_tinybert.train import build, loop as train  # noqa: E402
+from jax_tinybert.train import step as step_lib  # noqa: E402
+from jax_tinybert.config.check import validate_config  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "a CLI config, e.g. "

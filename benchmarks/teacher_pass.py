@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_tinybert.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
+from jax_tinybert.speed.malloc import restart_unless_set  # noqa: E402  (no JAX yet)
 
 if __name__ == "__main__":
     restart_unless_set()
@@ -33,11 +33,12 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert.cpu import cpu_name, cpuinfo  # noqa: E402
-from jax_tinybert import objectives, teacher_cache as tc  # noqa: E402
+from jax_tinybert.speed.cpu import cpu_name, cpuinfo  # noqa: E402
+from jax_tinybert.distill import objectives  # noqa: E402
+from jax_tinybert.teacher import cache as tc  # noqa: E402
 from jax_tinybert.data import batching, tokenize  # noqa: E402
-from jax_tinybert.hf import load_pretrained  # noqa: E402
-from jax_tinybert.modeling import BertForSequenceClassification  # noqa: E402
+from jax_tinybert.model.hf import load_pretrained  # noqa: E402
+from jax_tinybert.model.modeling import BertForSequenceClassification  # noqa: E402
 
 
 def _teacher(path, num_labels):

@@ -3,7 +3,7 @@
 Written by us (not the official TinyBERT code): transformers' PyTorch `BertForSequenceClassification`
 (attn_implementation="eager") whose self-attention modules are patched to also keep the raw
 scores Q K^T / sqrt(d_head) before the additive mask (what TinyBERT distils), the masked-mode
-losses of `jax_tinybert.losses` re-written in torch, a shared `fit_dense` projection, AdamW with
+losses of `jax_tinybert.distill.losses` re-written in torch, a shared `fit_dense` projection, AdamW with
 the same weight-decay mask (no decay on biases / LayerNorm) and global-norm clipping.
 The teacher runs in eval mode under `torch.no_grad()`.
 
@@ -59,7 +59,7 @@ def hf_config(config) -> transformers.BertConfig:
 def build_model(config, params: dict, capture_layers: Sequence[int] = ()) -> torch.nn.Module:
     """A transformers BertForSequenceClassification holding `params` (flax, {"bert", "classifier"})
     whose 1-based layers `capture_layers` keep their raw attention scores."""
-    from jax_tinybert.hf import params_to_torch_state_dict
+    from jax_tinybert.model.hf import params_to_torch_state_dict
 
     model = transformers.BertForSequenceClassification(hf_config(config))
     sd = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in
@@ -203,7 +203,7 @@ class TorchReference:
     @classmethod
     def from_objective(cls, obj, student_config, student_params, teacher_config=None,
                        teacher_params=None, proj_params=None, **kw) -> "TorchReference":
-        """Takes the stage, cfg and layer pairs from a `jax_tinybert.objectives.Objective`."""
+        """Takes the stage, cfg and layer pairs from a `jax_tinybert.distill.objectives.Objective`."""
         attn = hidden = ()
         if obj.name == "tinybert_intermediate":
             attn, hidden = obj.layer_map.attention, obj.layer_map.hidden

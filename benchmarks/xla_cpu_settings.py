@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import Dict, List
 
-from jax_tinybert.cpu import cpu_name
+from jax_tinybert.speed.cpu import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -6,7 +6,7 @@ Variants: any GLUE task name (sst2, mrpc, stsb, cola, qqp, mnli, qnli, rte, wnli
 starts from `teacher.path` (default: the packaged all-MiniLM-L6-v2; e.g. bert-base-uncased when
 online) and the fine-tuned model is exported to <workdir>/export. Data: $GLUE_DIR/<TASK>/*.tsv.
 """
-from jax_tinybert.config_base import base_config, parse_variant, task_lengths
+from jax_tinybert.config.schema import base_config, parse_variant, task_lengths
 
 
 def get_config(arg: str = "sst2"):

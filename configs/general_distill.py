@@ -13,7 +13,7 @@ gets 0:0,1:2,2:3,3:5,4:6; other pairs: --config.objective.layer_map=0:0,1:2,2:3,
 recipe: batch 256, lr 1e-4, length 128, 3 epochs; `--config.objective.mode=tinybert` gives the
 official reductions (the maintainers' trace: attention 28.8 -> 7.7, hidden 2.0 -> 1.1).
 """
-from jax_tinybert.config_base import base_config, parse_variant
+from jax_tinybert.config.schema import base_config, parse_variant
 
 SHAPES = {"tinybert4": (4, 312, 1200, 12), "tinybert6": (6, 768, 3072, 12),
           "small": (3, 384, 1536, 12), "tiny": (2, 32, 64, 4)}

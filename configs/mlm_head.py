@@ -15,7 +15,7 @@ reports the masked-token accuracy on held-out corpus sequences (never trained on
 """
 import ml_collections
 
-from jax_tinybert.config_base import base_config, parse_variant
+from jax_tinybert.config.schema import base_config, parse_variant
 
 
 def get_config(arg: str = ""):

@@ -8,7 +8,7 @@ Variants: "<task>" (PKD-Skip, default) or "<task>_last" (PKD-Last). Published re
 T 10, beta 500 (for the official mean over B*K*D), lr 1e-5, 4 epochs; student = the teacher's
 first `student.teacher_layers` layers (default: the first half of the teacher's layers).
 
-T, alpha, t2 and projection are the pkd objective's defaults (jax_tinybert/objectives.py, class
+T, alpha, t2 and projection are the pkd objective's defaults (jax_tinybert/distill/objectives.py, class
 PKD). beta: the clean (masked) patience loss is the paper's sum over the K mapped layers and D
 units, the official code's (mode=tinybert) a mean over them, so the published 500 becomes
 500 / (K * D) here: K = 2 patience layers (student layers 1..2 of 3), D = 384 (MiniLM-L6), i.e.
@@ -16,7 +16,7 @@ units, the official code's (mode=tinybert) a mean over them, so the published 50
 --config.objective.mode=tinybert pass --config.objective.beta=500. (Left at None, the objective
 computes the same from the models' shapes.)
 """
-from jax_tinybert.config_base import base_config, parse_variant, task_lengths
+from jax_tinybert.config.schema import base_config, parse_variant, task_lengths
 
 PKD_BETA_TINYBERT = 500.0   # the published beta, for the official mean over B*K*D
 PATIENCE_LAYERS = 2         # pkd_skip with a 3-layer student: student layers 1, 2

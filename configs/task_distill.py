@@ -15,7 +15,7 @@ intermediate lr 5e-5 constant, ~10-20 epochs on augmented data (--config.data.tr
 .../train_aug.tsv); pred lr 3e-5, warmup 10% + linear decay, 3 epochs, T = 1.
 `--config.objective.mode=tinybert --config.optim.name=bertadam` reproduces the official code.
 """
-from jax_tinybert.config_base import base_config, parse_variant, task_lengths
+from jax_tinybert.config.schema import base_config, parse_variant, task_lengths
 
 
 def get_config(arg: str = "sst2_intermediate"):

@@ -11,7 +11,7 @@ Usage: launch/local_multiprocess.sh [options] -- [program args...]
 Runs N processes of `$PYTHON -m jax_tinybert.main <program args>` on localhost. Each process gets
   JTB_COORDINATOR=127.0.0.1:<free port>  JTB_NUM_PROCESSES=N  JTB_PROCESS_ID=i  JTB_CPU_DEVICES=D
   JAX_PLATFORMS=cpu (unless already set)
-and jax_tinybert.sharding.maybe_initialize_distributed() turns them into a jax.distributed job
+and jax_tinybert.parallel.sharding.maybe_initialize_distributed() turns them into a jax.distributed job
 with N*D global CPU devices and gloo collectives.
 
 Options:
@@ -221,7 +221,7 @@ kill_now() {  # a second interrupt while the processes save
 on_signal() {  # on_signal EXIT_CODE: Ctrl-C or SIGTERM to this script
   STOP_CODE="$1"
   # The processes run in the background, where Ctrl-C does not reach them: SIGTERM makes each
-  # save its step and stop (jax_tinybert/preemption.py), which can take a step and a save.
+  # save its step and stop (jax_tinybert/train/preemption.py), which can take a step and a save.
   trap kill_now INT TERM
   echo "local_multiprocess.sh: interrupted; every process saves its step and stops (waiting up to ${STOP_GRACE}s; interrupt again to kill them at once)" >&2
   kill_all TERM "$STOP_GRACE"

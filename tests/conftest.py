@@ -27,7 +27,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Tests in this process check behaviour and equalities on small models, and compiling is most of
 # their time: they compile with XLA's cheapest backend optimisation, as every tiny CLI run of the
 # suite does (helpers/tiny_run.py). The 16 files that run in-process lost 18% of their CPU time
-# (810 -> 666 CPU-s, session 35), and all passed. Subprocesses inherit it; the runs whose speed or
+# (810 -> 666 CPU-s), and all passed. Subprocesses inherit it; the runs whose speed or
 # trained accuracy is checked (`make demo`, tests/test_train_sst2.py) start theirs with the
 # caller's own XLA_FLAGS, kept in JTB_TEST_USER_XLA_FLAGS (helpers/tiny_run.py user_env).
 if "JTB_TEST_USER_XLA_FLAGS" not in os.environ:
@@ -35,7 +35,7 @@ if "JTB_TEST_USER_XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = " ".join(
         [os.environ["JTB_TEST_USER_XLA_FLAGS"], tiny_run.FAST_COMPILE_XLA_FLAGS]).strip()
 
-# Teacher outputs shared between runs (jax_tinybert/teacher_store.py): one new empty store for
+# Teacher outputs shared between runs (jax_tinybert/teacher/store.py): one new empty store for
 # the session and its subprocesses, never the user's ~/.cache.
 _OWN_TEACHER_STORE = None
 if "JTB_TEACHER_STORE" not in os.environ:
@@ -60,7 +60,7 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
     if 1 < _n <= len(_cpus):
         os.sched_setaffinity(0, _cpus[_i * len(_cpus) // _n:(_i + 1) * len(_cpus) // _n])
 
-# Longest files first (CPU-s in a whole `make test`, session 35, most first), so that under
+# Longest files first (CPU-s in a whole `make test`, most first), so that under
 # `--dist loadfile` the long ones start at once and the tail is made of short files (longest-processing-time-first
 # scheduling); files not listed keep their order after these. Only the order changes.
 LONGEST_FIRST = (

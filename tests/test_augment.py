@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jax_tinybert.data import augment, glue, tokenize
-from jax_tinybert.modeling import BertConfig, BertForMaskedLM, init_params
+from jax_tinybert.model.modeling import BertConfig, BertForMaskedLM, init_params
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_augment_tsv_and_cli(tok, mlm, glue_dir, tmp_path, monkeypatch):
     assert all(e.text_a in by_orig or e.text_b in {o.text_b for o in orig} for e in ex)
 
     # CLI wiring (load_pretrained stubbed with the random MLM: no hub here)
-    import jax_tinybert.hf as hf
+    import jax_tinybert.model.hf as hf
     monkeypatch.setattr(hf, "load_pretrained",
                         lambda path, mlm_head: (mlm[0].config, mlm[1]))
     monkeypatch.setattr(hf, "resolve_path", lambda path: path)
@@ -170,7 +170,7 @@ def test_cli_embedding_mode(tok, glue_dir, tmp_path, monkeypatch):
     d.mkdir(parents=True)
     lines = (glue_dir / "SST-2" / "train.tsv").read_text(encoding="utf-8-sig").splitlines()[:7]
     (d / "train.tsv").write_text("\n".join(lines) + "\n")
-    import jax_tinybert.hf as hf
+    import jax_tinybert.model.hf as hf
     emb = np.random.default_rng(1).normal(size=(tok.vocab_size, 8)).astype(np.float32)
     monkeypatch.setattr(hf, "load_pretrained", lambda path, for_classification: (
         None, {"embeddings": {"word_embeddings": {"embedding": emb}}}))

@@ -225,7 +225,7 @@ def test_choose_buckets_on_sst2_halves_the_padding_and_keeps_every_example(sst2)
     buckets = batching.choose_buckets(lengths, 128, max_buckets=6)
     assert buckets[-1] == 128 and len(buckets) <= 7 and all(b % 8 == 0 for b in buckets)
     padded = lambda bs: np.asarray(bs)[batching.assign_buckets(lengths, bs)].mean()  # noqa: E731
-    assert padded(buckets) < 0.55 * padded((32, 64, 128))  # issue 12: 33.8 -> ~17 tokens/example
+    assert padded(buckets) < 0.55 * padded((32, 64, 128))  # SST-2: 33.8 -> ~17 tokens/example
     # The batcher's semantics are unchanged: with drop_remainder=False one epoch holds every
     # example exactly once, the plan is deterministic, and its position resumes exactly.
     ds = sst2

@@ -69,7 +69,7 @@ def test_torch_reference_losses_match_tiny(stage, student, tiny_teacher):
 
 @pytest.fixture(scope="module")
 def minilm(teacher_dir):
-    from jax_tinybert.hf import load_pretrained
+    from jax_tinybert.model.hf import load_pretrained
 
     return load_pretrained(teacher_dir, for_classification=True)
 
@@ -280,7 +280,7 @@ def test_ab_modeling_teacher_forward_computes_in_the_dtype_asked_for():
     CPU the products take bf16 operands (build.compute_dtypes); float32 has none."""
     import ab_modeling
     import step_throughput as st
-    from jax_tinybert import modeling
+    from jax_tinybert.model import modeling
 
     tcfg, tparams = st.load_teacher("minilm", smoke=True)
     models = (modeling.BertForSequenceClassification, modeling.BertModel)
@@ -295,7 +295,7 @@ def test_ab_modeling_teacher_forward_computes_in_the_dtype_asked_for():
 def test_ab_modeling_full_last_layer_side_restores_the_objectives():
     """The full-last-layer side's objectives read tokens while its step is built, and only then."""
     import ab_modeling
-    from jax_tinybert import objectives as O
+    from jax_tinybert.distill import objectives as O
 
     before = {n: c.reads_tokens for n, c in O.REGISTRY.items()}
     assert not before["tinybert_pred"] and before["tinybert_intermediate"]
@@ -309,7 +309,7 @@ def test_mkl_attention_probe_names_what_it_needs_and_finds_its_line(tmp_path):
     """Without MKL the probe exits non-zero with the install line; the attention-product line
     it rewrites in modeling.py is there, once (MKL is not installed here: no timing)."""
     import mkl_attention_probe as probe
-    from jax_tinybert import modeling
+    from jax_tinybert.model import modeling
 
     proc = subprocess.run([sys.executable, str(BENCH / "mkl_attention_probe.py"), "--mkl_lib",
                            str(tmp_path / "libmkl_rt.so.2")], cwd=REPO, capture_output=True,

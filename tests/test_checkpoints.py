@@ -18,8 +18,8 @@ import numpy as np
 import optax
 import pytest
 
-from jax_tinybert.checkpoints import Checkpointer, abstract_like
-from jax_tinybert.train_state import TrainState
+from jax_tinybert.train.checkpoints import Checkpointer, abstract_like
+from jax_tinybert.train.state import TrainState
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SUB_TIMEOUT = 120
@@ -160,7 +160,7 @@ def test_corrupt_newest_falls_back(tmp_path, caplog, how):
     (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)
 
     c = Checkpointer(tmp_path, save_interval_steps=1)
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.train.checkpoints"):
         step, got, meta = c.restore_latest(abstract_like(st))
     assert step == 2 and meta == {"s": 2}
     assert_tree_equal(got, bump(st, 2))
@@ -173,7 +173,7 @@ def test_corrupt_newest_falls_back(tmp_path, caplog, how):
     c.close()
     c = Checkpointer(tmp_path)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.train.checkpoints"):
         assert c.restore_latest(st)[0] == 3
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     c.close()
@@ -233,7 +233,7 @@ def test_damage_that_still_decodes_is_detected_and_skipped(tmp_path, caplog, asy
     assert changed.sum() > 100, "the overwrite did not change the restored values"
 
     c = Checkpointer(tmp_path, save_interval_steps=1)
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.train.checkpoints"):
         step, got, meta = c.restore_latest(abstract)
     assert step == 2 and meta == {"s": 2}
     assert_tree_equal(got, states[2])
@@ -257,7 +257,7 @@ def test_damaged_best_checkpoint_is_moved_aside(tmp_path, caplog):
     _overwrite_in_leaf(best_dir, st.params["student"]["big"])
     c = Checkpointer(tmp_path, best_metric="acc")
     assert c.best_value == 0.5
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.train.checkpoints"):
         assert c.restore_best(abstract_like(st)) is None
     assert any("damaged" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "best" / "corrupt_2").is_dir() and c.best_step() is None
@@ -278,7 +278,7 @@ def test_checkpoint_without_digests_still_restores(tmp_path, caplog):
     del m["_digested"]
     meta.write_text(json.dumps(m))
     c = Checkpointer(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.train.checkpoints"):
         assert c.restore_latest(abstract_like(st))[0] == 1
     assert any("without verification" in r.getMessage() for r in caplog.records)
     c.close()
@@ -342,7 +342,7 @@ def test_nothing_readable_raises_and_moves_nothing(tmp_path):
 
 _STATE_CODE = """
 import jax, jax.numpy as jnp, numpy as np, optax
-from jax_tinybert.train_state import TrainState
+from jax_tinybert.train.state import TrainState
 
 def sharded_state(mesh):
     # FSDP-style: the big kernel is split over 'data' along dim 0, the rest replicated.
@@ -373,7 +373,7 @@ def test_restore_8_devices_onto_1(tmp_path):
     code = _STATE_CODE + """
 import sys
 from jax.sharding import Mesh
-from jax_tinybert.checkpoints import Checkpointer
+from jax_tinybert.train.checkpoints import Checkpointer
 assert len(jax.devices()) == 8
 mesh = Mesh(np.array(jax.devices()), ("data",))
 st, _ = sharded_state(mesh)
@@ -408,7 +408,7 @@ print("SAVED")
 def test_async_save_then_exit_is_complete(tmp_path):
     code = """
 import os, sys, jax, jax.numpy as jnp
-from jax_tinybert.checkpoints import Checkpointer
+from jax_tinybert.train.checkpoints import Checkpointer
 c = Checkpointer(sys.argv[1], async_save=True)
 big = {"w": jnp.arange(2_000_000, dtype=jnp.float32), "s": jnp.int32(11)}
 assert c.save(11, big, {"ok": True})
@@ -427,8 +427,8 @@ os._exit(0)   # no interpreter shutdown, no atexit: wait() alone must have finis
 def test_sigterm_sets_flag_then_loop_saves_and_exits_143(tmp_path):
     code = """
 import os, signal, sys, jax, jax.numpy as jnp
-from jax_tinybert.checkpoints import Checkpointer
-from jax_tinybert.preemption import EXIT_CODE, Preemption
+from jax_tinybert.train.checkpoints import Checkpointer
+from jax_tinybert.train.preemption import EXIT_CODE, Preemption
 c = Checkpointer(sys.argv[1], save_interval_steps=100)
 pre = Preemption().install()
 step_fn = jax.jit(lambda s: {"x": s["x"] + 1})
@@ -469,8 +469,8 @@ port, pid, workdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 from jax.sharding import Mesh
-from jax_tinybert.checkpoints import Checkpointer, abstract_like
-from jax_tinybert.preemption import Preemption
+from jax_tinybert.train.checkpoints import Checkpointer, abstract_like
+from jax_tinybert.train.preemption import Preemption
 assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
 mesh = Mesh(np.array(jax.devices()), ("data",))
 st, tx = sharded_state(mesh)
@@ -525,7 +525,7 @@ fallback = dict(step=fstep, meta=fmeta, equal=fb_equal, steps=c.all_steps(),
 c.save(9, st, {"step": 9, "pid_independent": True})
 c.wait()
 if pid == 1:
-    from jax_tinybert import checkpoint_digests
+    from jax_tinybert.train import digests as checkpoint_digests
     real_verify = checkpoint_digests.verify
     checkpoint_digests.verify = lambda d: ("simulated damage" if str(d).endswith("/9")
                                            else real_verify(d))
@@ -586,7 +586,7 @@ def _disk_state(n=400_000):
 
 
 def test_state_bytes_counts_every_leaf():
-    from jax_tinybert.checkpoints import state_bytes
+    from jax_tinybert.train.checkpoints import state_bytes
 
     st = _disk_state(1000)
     # By hand: params, Adam's mu and nu (1,000 float32 each: 3 x 4,000), the step and Adam's
@@ -599,7 +599,7 @@ def test_state_bytes_counts_every_leaf():
 def test_no_room_for_a_checkpoint_stops_before_writing(tmp_path, monkeypatch):
     """The disk cannot take the next checkpoint: one line saying so, from where the rerun
     resumes, and nothing half-written (the refusal comes before orbax writes)."""
-    from jax_tinybert import checkpoints as C
+    from jax_tinybert.train import checkpoints as C
 
     st = _disk_state()
     free = {"n": 10 ** 12}
@@ -630,11 +630,11 @@ class _caplog_warning:
     def __enter__(self):
         self.seen, self.h = [], logging.Handler()
         self.h.emit = lambda rec: self.seen.append(rec.getMessage())
-        logging.getLogger("jax_tinybert.checkpoints").addHandler(self.h)
+        logging.getLogger("jax_tinybert.train.checkpoints").addHandler(self.h)
         return self.seen
 
     def __exit__(self, *a):
-        logging.getLogger("jax_tinybert.checkpoints").removeHandler(self.h)
+        logging.getLogger("jax_tinybert.train.checkpoints").removeHandler(self.h)
 
 
 def test_disk_full_reported_by_orbax_becomes_one_line():
@@ -673,7 +673,7 @@ def test_a_disk_filling_up_mid_write_stops_with_one_line(tiny_disk, monkeypatch)
     """The space check passes (say another process fills the disk meanwhile) and orbax runs out
     of space writing: the save stops with DiskFull naming the step to resume from, and the
     unfinished step's files are removed."""
-    from jax_tinybert import checkpoints as C
+    from jax_tinybert.train import checkpoints as C
 
     monkeypatch.setattr(C, "_free_bytes", lambda path: 10 ** 12)   # the check sees room
     st = _disk_state()   # ~4.8 MB: no checkpoint fits in 4 MB

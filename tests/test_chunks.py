@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tinybert import build, config_base
-from jax_tinybert import objectives as O
-from jax_tinybert import step as step_lib
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params
+from jax_tinybert.train import build
+from jax_tinybert.config import schema as config_base
+from jax_tinybert.distill import objectives as O
+from jax_tinybert.train import step as step_lib
+from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, random_params
 
 B, T = 32, 16
 
@@ -146,8 +147,8 @@ def test_the_log_line_says_what_is_chunked():
 
 @pytest.mark.parametrize("steps,expect", [(1000, 1024), (20, 0)])
 def test_build_step_reports_the_chunks_its_loss_runs(steps, expect):
-    from jax_tinybert import plan
-    from jax_tinybert.modeling import init_params
+    from jax_tinybert.cli import plan
+    from jax_tinybert.model.modeling import init_params
 
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         pytest.skip("the auto rule chunks on one CPU device only")

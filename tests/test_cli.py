@@ -235,7 +235,7 @@ def test_the_cli_compiles_for_a_gpu_without_autotuning_unless_asked(tmp_path):
     that may use a GPU starts with the two fast-compile flags, a user's own value of either wins,
     JTB_GPU_AUTOTUNE=1 keeps XLA's defaults. A CPU-only one keeps XLA_FLAGS as it was (the flags
     are part of JAX's compile-cache key)."""
-    from jax_tinybert import xla_flags
+    from jax_tinybert.speed import xla_flags
 
     code = "import os, jax_tinybert.main; print(os.environ.get('XLA_FLAGS'))"
 
@@ -287,10 +287,10 @@ def test_the_cli_restarts_once_with_the_fast_allocator_unless_the_user_has_own_s
     preloaded where installed, when started without them; the Makefile's MALLOC_* values alone
     restart it only to add tcmalloc; a user's own MALLOC_*, JTB_MALLOC=off keep the process as
     started; JTB_MALLOC=glibc and a user's LD_PRELOAD get no tcmalloc."""
-    from jax_tinybert.malloc import MALLOC_ENV, tcmalloc_path
+    from jax_tinybert.speed.malloc import MALLOC_ENV, tcmalloc_path
 
     lib = tcmalloc_path()
-    code = ("import os, jax_tinybert.malloc as m; e = os.environ.get; print(os.getpid(), "
+    code = ("import os, jax_tinybert.speed.malloc as m; e = os.environ.get; print(os.getpid(), "
             "e('MALLOC_ARENA_MAX'), e('MALLOC_MMAP_THRESHOLD_'), e('JTB_MALLOC_REEXEC'), "
             "e('LD_PRELOAD'), flush=True); m.restart_command()")
 
@@ -312,10 +312,10 @@ def test_the_cli_restarts_once_with_the_fast_allocator_unless_the_user_has_own_s
     assert [ln[-1] for ln in lines(JTB_TCMALLOC="/nonexistent/libtcmalloc.so")] == ["None", "None"]
     made = lines(**MALLOC_ENV)   # as `make demo` starts it
     assert [ln[-1] for ln in made] == (["None", str(lib)] if lib else ["None"])
-    # What the Makefile's test target runs the suite under (`python -m jax_tinybert.malloc
+    # What the Makefile's test target runs the suite under (`python -m jax_tinybert.speed.malloc
     # CMD`): the same variables; alone, the module prints them as KEY=VALUE lines.
     def printed(**extra):
-        r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.malloc"], cwd=REPO,
+        r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.speed.malloc"], cwd=REPO,
                            env=dict(_env_without(*_MALLOC_VARS), **extra), capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0, r.stderr
@@ -326,7 +326,7 @@ def test_the_cli_restarts_once_with_the_fast_allocator_unless_the_user_has_own_s
     assert printed(MALLOC_ARENA_MAX="4") == {}
     assert printed(**MALLOC_ENV) == tc   # as `make test` runs it
     show = "import os; print(os.environ.get('LD_PRELOAD'), os.environ.get('MALLOC_ARENA_MAX'))"
-    r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.malloc", tiny_run.PYTHON, "-c",
+    r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.speed.malloc", tiny_run.PYTHON, "-c",
                         show], cwd=REPO, env=_env_without(*_MALLOC_VARS), capture_output=True,
                        text=True, timeout=120)
     assert r.stdout.split() == [str(lib), MALLOC_ENV["MALLOC_ARENA_MAX"]], r.stderr
@@ -346,7 +346,7 @@ def test_tcmalloc_says_nothing_of_large_allocations_under_the_cli_settings():
     """Some tcmalloc builds print a line per allocation over 1 GiB (Colab's "tcmalloc: large
     alloc ..."; Debian's libtcmalloc-minimal4 does not); the settings the CLI restarts with
     raise that threshold out of reach: a run's output is for the user."""
-    from jax_tinybert import malloc
+    from jax_tinybert.speed import malloc
 
     lib = malloc.tcmalloc_path()
     if lib is None:
@@ -363,10 +363,10 @@ def test_tcmalloc_says_nothing_of_large_allocations_under_the_cli_settings():
 
 
 def test_the_malloc_settings_load_without_jax_and_match_the_makefile():
-    """Scripts restart with jax_tinybert.malloc before JAX is loaded (glibc and XLA read their
+    """Scripts restart with jax_tinybert.speed.malloc before JAX is loaded (glibc and XLA read their
     settings at start), so importing it (and the package) must not import JAX; make cannot import
     Python, so the Makefile's exported copy must hold the same values."""
-    from jax_tinybert.malloc import MALLOC_ENV
+    from jax_tinybert.speed.malloc import MALLOC_ENV
 
     r = subprocess.run([tiny_run.PYTHON, "-c", "import sys; from jax_tinybert import malloc, fs; "
                         "print(sorted(m for m in ('jax', 'flax', 'numpy') if m in sys.modules))"],
@@ -381,7 +381,7 @@ def test_a_gpu_or_tpu_host_gets_no_single_malloc_arena(tmp_path):
     """MALLOC_ENV (one arena, tuned for XLA's CPU steps) is not set where JAX may run on a GPU
     or TPU: there it only serialises the host's threads (the tokenizer ran 10x slower on a
     16-core H200 host). tcmalloc, where installed, is still preloaded; CPU runs are unchanged."""
-    from jax_tinybert import malloc, xla_flags
+    from jax_tinybert.speed import malloc, xla_flags
 
     no_tc = {"JTB_TCMALLOC": str(tmp_path / "none.so")}   # a named library that is not there
     assert malloc.wanted(dict(no_tc, JAX_PLATFORMS="cuda")) == {}
@@ -467,7 +467,8 @@ def test_a_full_disk_while_exporting_is_one_line_and_the_rerun_finishes(cli):
     d, run = cli
     args = _with(FINETUNE, ["--workdir=runs/e"])
     boom = ("import errno, sys\n"
-            "from jax_tinybert import main, train\n"
+            "from jax_tinybert import main\n"
+            "from jax_tinybert.train import loop as train\n"
             "def export_hf(*a, **k):\n"
             "    raise OSError(errno.ENOSPC, 'No space left on device', 'runs/e/export/x')\n"
             "train.export_hf = export_hf\n"

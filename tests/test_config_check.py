@@ -9,7 +9,8 @@ import pathlib
 
 import pytest
 
-from jax_tinybert import build, config_base, config_check as cc
+from jax_tinybert.train import build
+from jax_tinybert.config import schema as config_base, check as cc
 from jax_tinybert.errors import UserError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -174,7 +175,7 @@ def test_schedule_change_on_resume_is_named(tmp_path, caplog):
     cc.check_workdir(c, str(w))
     (w / "checkpoints" / "120").mkdir(parents=True)
     c.train.num_steps = 200
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.config_check"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.config.check"):
         cc.check_workdir(c, str(w))
     assert "num_steps 160 -> 200 changes the learning-rate schedule (warmup_linear, " \
            "warmup_ratio 0.1) from step 121 on" in caplog.text

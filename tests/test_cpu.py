@@ -1,8 +1,8 @@
-"""jax_tinybert.cpu: /proc/cpuinfo as Linux writes it, and the bfloat16 rule read from it."""
+"""jax_tinybert.speed.cpu: /proc/cpuinfo as Linux writes it, and the bfloat16 rule read from it."""
 import subprocess
 import sys
 
-from jax_tinybert import cpu
+from jax_tinybert.speed import cpu
 
 BLOCK = ("processor\t: {n}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
          "model name\t: {name}\nflags\t\t: {flags}\n\n")

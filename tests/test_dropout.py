@@ -1,4 +1,4 @@
-"""Dropout from 16-bit draws (jax_tinybert/dropout.py) against the distribution it must have:
+"""Dropout from 16-bit draws (jax_tinybert/speed/dropout.py) against the distribution it must have:
 drop rate t / 65536 (hand-computed), kept values scaled by the inverse keep probability,
 elements independent (also the two that share one 32-bit word), and flax's semantics for
 deterministic / rate 0 / rate 1 / the "dropout" rng collection."""
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_tinybert.dropout as dropout_mod
-from jax_tinybert.dropout import Dropout, grid_rate, keep_mask, random_bits
+import jax_tinybert.speed.dropout as dropout_mod
+from jax_tinybert.speed.dropout import Dropout, grid_rate, keep_mask, random_bits
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 4), (32, 16, 156), (2, 12, 9, 5)])
@@ -158,7 +158,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jax_tinybert.dropout import Dropout
+from jax_tinybert.speed.dropout import Dropout
 x = jnp.asarray(np.random.RandomState(0).uniform(1, 2, (16, 12, 8, 8)), jnp.float32)
 f = jax.jit(lambda x, k: Dropout(rate=0.1).apply({}, x, deterministic=False, rngs={"dropout": k}))
 key = jax.random.fold_in(jax.random.key(5), 3)

@@ -112,7 +112,7 @@ def test_split_epochs_have_their_own_phases():
         in first["phases"]
 
 
-# The lines of a real MRPC intermediate run (session 30), as the CLI prints them.
+# The lines of a real MRPC intermediate run, as the CLI prints them.
 TEACHER_LINE = "[teacher cache] 3,668 ex in 34s (108 ex/s; 5.40 TFLOP, 159 GFLOP/s)"
 AHEAD_LINE = ("I1127 13:37:18.599804 140041036584896 train.py:136] compiled ahead: update step 1 "
               "of 1 programs (113 of 113 calls; 0.9 s; 34.87 GFLOP), gradient step 3 of 3 "

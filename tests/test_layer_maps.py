@@ -1,7 +1,7 @@
 """Layer maps against the official index formulas and PKD's published layer sets."""
 import pytest
 
-from jax_tinybert import layer_maps as lm
+from jax_tinybert.distill import layer_maps as lm
 
 
 def official_tinybert(M, N):

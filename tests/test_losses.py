@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tinybert import losses as L
+from jax_tinybert.distill import losses as L
 
 B, H, T, D, C = 3, 2, 6, 5, 4
 LENGTHS = (6, 4, 2)

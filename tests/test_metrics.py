@@ -4,7 +4,7 @@ import pytest
 from scipy import stats
 from sklearn import metrics as skm
 
-from jax_tinybert import metrics
+from jax_tinybert.train import metrics
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jax_tinybert import mlm_head
-from jax_tinybert.modeling import BertConfig, BertForMaskedLM, BertForSequenceClassification, init_params
+from jax_tinybert.train import mlm_head
+from jax_tinybert.model.modeling import BertConfig, BertForMaskedLM, BertForSequenceClassification, init_params
 
 SPECIAL = (0, 1, 2, 3)  # pad, cls, sep, mask in the toy vocabulary below
 
@@ -84,7 +84,7 @@ def tiny_encoder(tmp_path_factory, teacher_dir):
     """A random 1-layer d32 BERT classifier export on the teacher's tokenizer (encoders of
     fine-tuned classifiers are a supported input)."""
     from jax_tinybert.data import tokenize
-    from jax_tinybert.export import export_hf
+    from jax_tinybert.model.export import export_hf
 
     tok = tokenize.load_tokenizer(teacher_dir)
     cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1,
@@ -101,7 +101,7 @@ def test_fit_export_loads_everywhere(tiny_encoder, tmp_path, teacher_dir):
 
     from configs.mlm_head import get_config
     from jax_tinybert.data import augment, tokenize
-    from jax_tinybert.hf import load_pretrained
+    from jax_tinybert.model.hf import load_pretrained
 
     text = tmp_path / "corpus.txt"
     text.write_text("\n\n".join("the cat sat on the mat . the dog ran to the park ." for _ in range(60)))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_tinybert as jtb
-from jax_tinybert.hf import WeightsError
+from jax_tinybert.model.hf import WeightsError
 
 SENTENCES = [
     ("the movie was a delight from start to finish .", None),
@@ -55,8 +55,7 @@ def torch_model(teacher_dir):
 
 
 # Hidden states are checked against PyTorch's model in float64, the exact values: two float32
-# implementations each ~6e-5 off after six layers (ours and PyTorch's float32 both, RESULTS.md
-# session 49) can differ by twice that, so a float32-to-float32 tolerance measures whose
+# implementations each ~6e-5 off after six layers (ours and PyTorch's float32 both) can differ by twice that, so a float32-to-float32 tolerance measures whose
 # rounding errors happen to cancel. PyTorch's own float32 model must meet the same tolerance.
 F32_ATOL = 1e-4
 
@@ -337,7 +336,7 @@ def test_init_classifier_matches_the_full_init_distribution():
     import jax
     import numpy as np
 
-    from jax_tinybert.modeling import BertConfig, init_classifier
+    from jax_tinybert.model.modeling import BertConfig, init_classifier
 
     cfg = BertConfig(vocab_size=50, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
                      intermediate_size=32, num_labels=40)
@@ -505,7 +504,7 @@ def test_cpu_bfloat16_runs_bfloat16_products_with_float32_activations(teacher, b
     bfloat16 operands (XLA's CPU backend upcasts a bfloat16-output dot to float32, which lost
     AMX: the first version of bfloat16 compute ran slower than float32), and the outputs and
     gradients stay within bfloat16's rounding of the float32 model's."""
-    from jax_tinybert import build
+    from jax_tinybert.train import build
     config, params = teacher
     assert build.compute_dtypes("bfloat16", "cpu") == {"dtype": jnp.float32,
                                                        "dot_dtype": jnp.bfloat16}
@@ -551,7 +550,7 @@ def test_cpu_bfloat16_runs_bfloat16_products_with_float32_activations(teacher, b
 def test_teacher_cache_fingerprint_names_the_product_dtype(teacher):
     """A teacher whose products run in bfloat16 gives other outputs: its cache fingerprint
     differs, while a float32 teacher's is the one caches were built under before dot_dtype."""
-    from jax_tinybert import teacher_cache
+    from jax_tinybert.teacher import cache as teacher_cache
     config, _ = teacher
     m = jtb.BertModel(config)
     assert teacher_cache.teacher_model_id(m) == f"BertModel:{jnp.float32}"
@@ -566,7 +565,7 @@ def test_cpu_bfloat16_attention_products_and_their_gradients_take_bfloat16_opera
     whose operand the library dot cannot read as rows to a float32 Eigen one (the gradients of
     k and v did so until _rows_product_of_columns). The gradients of q, k and v match the
     float32 model's to bfloat16 rounding."""
-    from jax_tinybert import build
+    from jax_tinybert.train import build
     cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=256,
                          num_attention_heads=4, vocab_size=100, num_labels=3)
     m32 = jtb.BertForSequenceClassification(cfg)
@@ -604,7 +603,7 @@ def test_cpu_bfloat16_step_runs_at_odd_shapes(B, T):
     CPU backend fails at run time ("Unsupported element type for DotThunk::Execute: BF16 x
     BF16 = F32") on a bfloat16 product it first planned for the library dot and then gave a
     layout the library cannot take."""
-    from jax_tinybert import build
+    from jax_tinybert.train import build
     cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=256,
                          num_attention_heads=4, vocab_size=100, num_labels=3)
     m32 = jtb.BertForSequenceClassification(cfg)

@@ -1,4 +1,4 @@
-"""Multi-process runs on one machine (issue 7): 2 processes x 4 CPU devices through
+"""Multi-process runs on one machine: 2 processes x 4 CPU devices through
 launch/local_multiprocess.sh and jax.distributed (gloo).
 
 - the 2 x 4 job computes what 1 process on 1 device computes (same global batch, dropout off:
@@ -10,7 +10,7 @@ launch/local_multiprocess.sh and jax.distributed (gloo).
   2 x 4 job ends (state within 1e-6; metrics.jsonl, TensorBoard and summary.json equal apart
   from timings);
 - a process that cannot reach the coordinator fails within --init_timeout with
-  jax_tinybert.sharding.DistributedInitError naming the address.
+  jax_tinybert.parallel.sharding.DistributedInitError naming the address.
 
 Tiny random teacher and throttled killed runs as in tests/test_resume.py.
 """
@@ -162,7 +162,7 @@ def test_unreachable_coordinator_fails_with_address(tmp_path):
                 JTB_CPU_DEVICES=1)
     code = ("import sys, time\n"
             "from jax_tinybert import main\n"            # what the CLI imports first
-            "from jax_tinybert import sharding\n"
+            "from jax_tinybert.parallel import sharding\n"
             "t = time.monotonic()\n"
             "try:\n"
             "    sharding.maybe_initialize_distributed(timeout_s=5)\n"

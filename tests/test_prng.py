@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tinybert import prng
+from jax_tinybert.speed import prng
 
 
 def test_threefry_hash_known_answer():

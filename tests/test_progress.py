@@ -3,7 +3,8 @@ import io
 
 import numpy as np
 
-from jax_tinybert import progress, teacher_cache
+from jax_tinybert import progress
+from jax_tinybert.teacher import cache as teacher_cache
 
 
 class _Tty(io.StringIO):

@@ -1,4 +1,4 @@
-"""The README's own commands, run as a new user runs them (issue 11).
+"""The README's own commands, run as a new user runs them.
 
 A fresh copy of the repository (the files a `git clone` of this working tree holds: tracked and
 untracked-but-not-ignored) goes into a temp folder with `shared` beside it (a link to the shared
@@ -127,7 +127,7 @@ def test_readme_recipe_is_parsed():
     ids = [_stage_id(c) for c in RECIPE]
     assert ids == ["finetune_teacher.py:sst2", "general_distill.py:small",
                    "jax_tinybert.data.augment", "task_distill.py:sst2_intermediate",
-                   "task_distill.py:sst2_pred", "pkd.py:sst2", "jax_tinybert.run_export"], ids
+                   "task_distill.py:sst2_pred", "pkd.py:sst2", "jax_tinybert.cli.export"], ids
     assert RECIPE_ENV == {"GLUE_DIR": "../shared/data/glue"}
     gen = RECIPE[1]
     assert gen[-1] == "--config.data.corpus=../shared/data/corpus"   # continuation joined

@@ -1,4 +1,4 @@
-"""Kill-and-resume of real training runs (issues 6 and 15).
+"""Kill-and-resume of real training runs.
 
 A 20-step fine-tuning run (eval every 5 steps, so a best checkpoint and an eval history)
 straight through vs the same command hard-killed (SIGKILL) or preempted (SIGTERM) after its
@@ -121,7 +121,7 @@ def test_the_export_holds_the_best_checkpoints_params(setup, tmp_path):
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from jax_tinybert.hf import load_pretrained
+    from jax_tinybert.model.hf import load_pretrained
 
     def saved_student(path):
         ck = ocp.PyTreeCheckpointer()
@@ -173,7 +173,7 @@ def test_metrics_writer_resume_drops_replayed_steps_and_rebuilds_tensorboard(tmp
     keeps 1..6, and after steps 7..10 the JSON lines and TensorBoard equal an unbroken run's."""
     import json
 
-    from jax_tinybert.metrics_writer import MetricsWriter, read_jsonl
+    from jax_tinybert.train.metrics_writer import MetricsWriter, read_jsonl
 
     def run(w, steps):
         for s in steps:
@@ -207,7 +207,7 @@ def test_metrics_writer_writes_tensorboard_without_importing_torch(tmp_path):
     """tensorboardX imports torch when it can (most of its import time); the writer keeps it
     out, and torch still imports afterwards for whoever needs it."""
     code = ("import sys\n"
-            "from jax_tinybert.metrics_writer import MetricsWriter\n"
+            "from jax_tinybert.train.metrics_writer import MetricsWriter\n"
             f"w = MetricsWriter({str(tmp_path)!r})\n"
             "w.write(3, {'loss': 0.25}, prefix='train')\n"
             "w.close()\n"
@@ -292,7 +292,7 @@ def test_ctrl_c_during_the_teacher_cache_build_exits_130_and_the_rerun_builds_it
     # runner's workers do with SIGINT (an ignored SIGINT is inherited).
     slow = ("import signal, sys, time\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "import jax_tinybert.main as m, jax_tinybert.teacher_cache as tc\n"
+            "import jax_tinybert.main as m, jax_tinybert.teacher.cache as tc\n"
             "orig = tc.forwarded\n"
             "def forwarded(*a, **k):\n"
             "    for out in orig(*a, **k):\n"

@@ -56,8 +56,9 @@ def test_masked_mode_accumulation_is_per_micro_batch_mean(masked):
 def _built(split: bool, grad_accum: int = 1, objective="tinybert_intermediate"):
     """A tiny teacher -> student step built as training builds it (AdamW with its global-norm
     clipping and warm-up schedule, dropout on), fused or split."""
-    from jax_tinybert import build, plan
-    from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params
+    from jax_tinybert.train import build
+    from jax_tinybert.cli import plan
+    from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, random_params
 
     tcfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                       intermediate_size=128, num_labels=2)
@@ -95,8 +96,8 @@ def test_split_update_is_the_fused_step(grad_accum):
     import jax
     import numpy as np
 
-    from jax_tinybert import sharding as shd
-    from jax_tinybert import step as step_lib
+    from jax_tinybert.parallel import sharding as shd
+    from jax_tinybert.train import step as step_lib
 
     results = {}
     for split in (False, True):
@@ -154,7 +155,9 @@ def test_update_program_is_adamw_written_in_numpy():
     import jax
     import numpy as np
 
-    from jax_tinybert import build, optim, plan
+    from jax_tinybert.train import build
+    from jax_tinybert import optim
+    from jax_tinybert.cli import plan
 
     built, sparams, _ = _built(True)
     state = built.init_state(sparams, seed=3)
@@ -195,7 +198,7 @@ def test_split_step_lowers_and_compiles_as_one_step():
     the step, with both programs' FLOPs and a peak comparable to the fused program's."""
     import jax
 
-    from jax_tinybert import sharding as shd
+    from jax_tinybert.parallel import sharding as shd
 
     analyses = {}
     for split in (False, True):
@@ -220,8 +223,9 @@ def test_split_step_lowers_and_compiles_as_one_step():
 
 
 def test_auto_splits_the_update_in_runs_short_for_their_buckets():
-    from jax_tinybert import build, config_base
-    from jax_tinybert.config_check import ConfigValueError
+    from jax_tinybert.train import build
+    from jax_tinybert.config import schema as config_base
+    from jax_tinybert.config.check import ConfigValueError
 
     c = config_base.base_config()
     per = build.SPLIT_STEPS_PER_BUCKET["cpu"]

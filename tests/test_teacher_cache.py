@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tinybert import teacher_cache as tc
+from jax_tinybert.teacher import cache as tc
 from jax_tinybert.data.batching import BucketedBatcher
 from jax_tinybert.data.tokenize import EncodedDataset
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params
+from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, random_params
 
 
 def _dataset_from_texts(tokenizer, texts):
@@ -60,7 +60,7 @@ class Counting:
 def test_cached_equals_live_teacher(tmp_path, teacher_dir, glue_dir):
     from transformers import AutoTokenizer
 
-    from jax_tinybert.hf import load_pretrained
+    from jax_tinybert.model.hf import load_pretrained
 
     tok = AutoTokenizer.from_pretrained(teacher_dir)
     with open(glue_dir / "SST-2" / "dev.tsv") as fh:
@@ -143,7 +143,7 @@ def test_damaged_cache_is_rebuilt_with_a_warning(tmp_path, small, caplog, damage
             fh.write('{"version": 1, "fingerp')
     else:
         os.remove(f)
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.teacher_cache"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.teacher.cache"):
         c = tc.build_or_load(path, small.fp, small.forward, small.params, b, len(small.ds))
     assert b.calls == 2
     assert any("unusable, rebuilding" in r.getMessage() for r in caplog.records)
@@ -256,7 +256,7 @@ def test_chunked_build_batches_cover_every_row_once_and_match_whole_batches(tmp_
 
 
 def test_build_for_training(tmp_path, small):
-    from jax_tinybert import objectives
+    from jax_tinybert.distill import objectives
 
     t_cfg = small.model.config
     s_cfg = t_cfg.replace(num_hidden_layers=1)
@@ -282,7 +282,7 @@ def _TOKENIZER_DIR():
 _KILLED_BUILD = r"""
 import sys, time
 import numpy as np
-from jax_tinybert import teacher_cache as tc
+from jax_tinybert.teacher import cache as tc
 from jax_tinybert.data.batching import BucketedBatcher
 from jax_tinybert.data.tokenize import EncodedDataset
 ids = np.arange(1, 41, dtype=np.int32)
@@ -321,7 +321,7 @@ def test_kill_during_build_leaves_no_stale_temp(tmp_path, small, caplog):
     legacy = tmp_path / ".c.tmp-abc123_x"  # old-style name (no host/pid), older than us
     legacy.mkdir()
     os.utime(legacy, (1, 1))
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.teacher_cache"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.teacher.cache"):
         tc.build_or_load(path, small.fp, small.forward, small.params, Counting(small.ds),
                          len(small.ds))
     assert sorted(os.listdir(tmp_path)) == sorted(["c", os.path.basename(live)])
@@ -376,7 +376,7 @@ def test_rows_read_is_what_the_training_batches_hold(small, process_count):
 
 
 def test_short_run_caches_only_the_rows_it_reads(tmp_path, small, caplog):
-    from jax_tinybert import objectives
+    from jax_tinybert.distill import objectives
 
     t_cfg = small.model.config
     obj = objectives.make_objective("tinybert_pred", {"mode": "tinybert"},
@@ -418,7 +418,7 @@ def test_short_run_caches_only_the_rows_it_reads(tmp_path, small, caplog):
 # ----------------------------------------------------------------- intermediate (per-token) cache
 
 def _intermediate(small):
-    from jax_tinybert import objectives
+    from jax_tinybert.distill import objectives
 
     t_cfg = small.model.config
     s_cfg = t_cfg.replace(num_hidden_layers=1, hidden_size=16, intermediate_size=32)
@@ -512,7 +512,7 @@ def test_attention_only_objective_trains_from_the_cache(tmp_path, small, attn_lo
     """w_hidn = w_embd = 0: only teacher_attn is cached, and the loss accepts a batch carrying
     it alone (the check once looked for teacher_hidden only); either attention loss reads the
     cached logits as it reads the live teacher's."""
-    from jax_tinybert import objectives
+    from jax_tinybert.distill import objectives
 
     t_cfg = small.model.config
     s_cfg = t_cfg.replace(num_hidden_layers=1, hidden_size=16, intermediate_size=32)
@@ -552,7 +552,7 @@ def test_a_finished_runs_token_cache_is_deleted_and_unmapped_in_a_thread(tmp_pat
     import errno
     import threading
 
-    from jax_tinybert import train
+    from jax_tinybert.train import loop as train
 
     obj, models, _, _ = _intermediate(small)
     data = types.SimpleNamespace(train_dataset=small.ds, train_batches=BucketedBatcher(

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from jax_tinybert import objectives
-from jax_tinybert import teacher_cache as tc
-from jax_tinybert import teacher_store as ts
+from jax_tinybert.distill import objectives
+from jax_tinybert.teacher import cache as tc
+from jax_tinybert.teacher import store as ts
 from jax_tinybert.data.batching import BucketedBatcher
 from test_teacher_cache import _TOKENIZER_DIR, _intermediate, small  # noqa: F401 (fixture)
 

@@ -9,8 +9,8 @@ import types
 import numpy as np
 import pytest
 
-from jax_tinybert import teacher_cache as tc
-from jax_tinybert import teacher_stream as ts
+from jax_tinybert.teacher import cache as tc
+from jax_tinybert.speed import teacher_stream as ts
 from jax_tinybert.data.batching import BucketedBatcher, assign_buckets
 
 import test_teacher_cache
@@ -207,7 +207,7 @@ def test_stop_ends_the_build_and_removes_its_folder(tmp_path, small, gated):
 
 def _pred(small):
     """(objective, models) of a prediction stage over the tiny teacher: a cache of its logits."""
-    from jax_tinybert import objectives
+    from jax_tinybert.distill import objectives
 
     t_cfg = small.model.config
     obj = objectives.make_objective("tinybert_pred", {"mode": "tinybert"},

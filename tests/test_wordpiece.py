@@ -107,7 +107,8 @@ def test_only_input_ids(teacher_dir):
 def test_training_data_path_does_not_import_transformers(teacher_dir, glue_dir, tmp_path):
     code = (
         "import sys\n"
-        "from jax_tinybert import main, train, build\n"
+        "from jax_tinybert import main\n"
+        "from jax_tinybert.train import loop, build\n"
         "from jax_tinybert.data import tokenize\n"
         f"tok = tokenize.load_data_tokenizer({str(teacher_dir)!r})\n"
         f"ds = tokenize.load_glue_encoded('sst-2', 'dev', tok, 64, glue_dir={str(glue_dir)!r},"

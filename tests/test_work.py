@@ -7,7 +7,9 @@ import re
 import jax
 import numpy as np
 
-from jax_tinybert import precompile, progress, teacher_cache, work
+from jax_tinybert.speed import precompile
+from jax_tinybert import progress, flops as work
+from jax_tinybert.teacher import cache as teacher_cache
 
 
 def test_program_flops_of_a_matmul_is_two_m_n_k():

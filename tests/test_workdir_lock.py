@@ -1,4 +1,4 @@
-"""One run per workdir (jax_tinybert/workdir_lock.py): a workdir held by a live process is
+"""One run per workdir (jax_tinybert/train/workdir_lock.py): a workdir held by a live process is
 refused with its holder named; the kernel frees it when the holder dies, SIGKILL included.
 The same through the CLI, as a user meets it: tests/test_resume.py
 (test_a_second_run_on_a_busy_workdir_stops_at_once_and_the_rerun_resumes)."""
@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from jax_tinybert import workdir_lock
+from jax_tinybert.train import workdir_lock
 from jax_tinybert.errors import UserError
 
 HOLDER = ("import sys, time\n"
-          "from jax_tinybert import workdir_lock\n"
+          "from jax_tinybert.train import workdir_lock\n"
           "with workdir_lock.hold(sys.argv[1]):\n"
           "    print('held', flush=True)\n"
           "    time.sleep(600)\n")
@@ -83,7 +83,7 @@ def test_a_bucket_workdir_whose_lease_cannot_be_taken_runs_unlocked(tmp_path, mo
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(workdir_lock.fs, "url_fs", no_backend)
-    with caplog.at_level(logging.WARNING, logger="jax_tinybert.workdir_lock"):
+    with caplog.at_level(logging.WARNING, logger="jax_tinybert.train.workdir_lock"):
         with workdir_lock.hold("gs://bucket/run"):
             with workdir_lock.hold("gs://bucket/run"):
                 pass
@@ -104,7 +104,8 @@ def test_every_entry_point_refuses_a_held_workdir_before_writing(entry, tmp_path
     """The three ways a stage starts (the CLI calls one of them) check the lock after the
     config's own checks and before any output: a held workdir gains nothing."""
     from helpers.run_files import config
-    from jax_tinybert import mlm_head, pipeline, train
+    from jax_tinybert.train import mlm_head, loop as train
+    from jax_tinybert.cli import demo as pipeline
 
     wd = tmp_path / "wd"
     if entry == "mlm_head":

@@ -40,11 +40,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from jax_tinybert import fs, hf
+from jax_tinybert import fs
+from jax_tinybert.model import hf
 from jax_tinybert.data import glue
 from jax_tinybert.data.tokenize import load_tokenizer
 from jax_tinybert.errors import PathError, tool_exit
-from jax_tinybert.modeling import BertForMaskedLM, BertModel, _MLMHead
+from jax_tinybert.model.modeling import BertForMaskedLM, BertModel, _MLMHead
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ class TaskSpec:
     row must have per split ("*" = any split not listed); None = as many as the header.
     `splits`: split name -> TSV file stem. `hf_fields`: (text_a, text_b) field names in HF/TFDS.
     `hf_labels`: HF/TFDS ClassLabel names in their index order (None when ids already match ours).
-    `metrics`: metric names for `jax_tinybert.metrics.compute`; `main_metric`: the one used for
+    `metrics`: metric names for `jax_tinybert.train.metrics.compute`; `main_metric`: the one used for
     model selection.
     """
 

@@ -2,7 +2,7 @@
 
 Training only needs a batch of texts -> ids, the special ids, the vocab and a fingerprint. The
 `transformers` tokenizer gives them too, but importing it pulls in torch, sklearn and the
-generation stack: about 4 s of every CLI run (Intel Xeon, session 14), against 0.04 s to
+generation stack: about 4 s of every CLI run (a 2-core Intel Xeon), against 0.04 s to
 load the tokenizer itself. `load` builds the same tokenizer that `AutoTokenizer` would
 (BertTokenizerFast) from a local folder's tokenizer.json + tokenizer_config.json, and returns
 None for anything it does not reproduce exactly, so the caller falls back to transformers.

@@ -15,9 +15,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_tinybert import build, plan  # noqa: E402
-from jax_tinybert import sharding as shd  # noqa: E402
-from jax_tinybert.modeling import BertConfig, random_params  # noqa: E402
+from jax_tinybert.train import build  # noqa: E402
+from jax_tinybert.cli import plan  # noqa: E402
+from jax_tinybert.parallel import sharding as shd  # noqa: E402
+from jax_tinybert.model.modeling import BertConfig, random_params  # noqa: E402
 
 tcfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=64, num_labels=2)

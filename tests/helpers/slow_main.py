@@ -16,8 +16,8 @@ import time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from jax_tinybert import main  # noqa: E402,F401  (sets XLA_FLAGS from JTB_CPU_DEVICES first)
-from jax_tinybert import metrics_writer  # noqa: E402
-from jax_tinybert import step as step_lib  # noqa: E402
+from jax_tinybert.train import metrics_writer  # noqa: E402
+from jax_tinybert.train import step as step_lib  # noqa: E402
 
 _write = metrics_writer.MetricsWriter.write
 _SLEEP = float(os.environ.get("JTB_TEST_STEP_SLEEP", "0.3"))

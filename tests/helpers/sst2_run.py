@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helpers import run_files  # noqa: E402
-from jax_tinybert import train  # noqa: E402
+from jax_tinybert.train import loop as train  # noqa: E402
 
 
 class _Lines(logging.Handler):
@@ -66,7 +66,7 @@ def main(root: str, glue_dir: str) -> None:
     p.optim.learning_rate = 3e-4
     p.train.update(num_steps=200, eval_every=100, log_every=10, checkpoint_every=1000)
     said = _Lines()
-    log = logging.getLogger("jax_tinybert.teacher_cache")
+    log = logging.getLogger("jax_tinybert.teacher.cache")
     log.addHandler(said)
     log.setLevel(logging.INFO)
     try:

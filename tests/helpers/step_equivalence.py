@@ -23,11 +23,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jax_tinybert import objectives  # noqa: E402
-from jax_tinybert import sharding as shd  # noqa: E402
-from jax_tinybert import step as step_lib  # noqa: E402
-from jax_tinybert.modeling import BertConfig, BertForSequenceClassification, random_params  # noqa: E402
-from jax_tinybert.train_state import TrainState  # noqa: E402
+from jax_tinybert.distill import objectives  # noqa: E402
+from jax_tinybert.parallel import sharding as shd  # noqa: E402
+from jax_tinybert.train import step as step_lib  # noqa: E402
+from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, random_params  # noqa: E402
+from jax_tinybert.train.state import TrainState  # noqa: E402
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "masked"
 # Each layout is its own compile: a caller asks only for those it checks.

