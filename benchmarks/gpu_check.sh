@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What a GPU user waits for, in one prepared call on a lent GPU machine (a bare image with JAX,
 # flax and PyTorch, no network): SST-2 through the CLI, one process per stage, as the README runs
-# it, with the defaults the CLI picks on a GPU (compile flags: jax_tinybert/speed/xla_flags.py; per-token
-# cache: build.AUTO_CACHE_BACKENDS; buckets: build.AUTO_COMPILE_STEPS_ACCELERATOR).
+# it, with the defaults the CLI picks on a GPU (compile flags: jax_tinybert/speed/xla_flags.py; the
+# per-token cache and the buckets' compile charge: jax_tinybert/speed/profiles.py, ACCELERATOR).
 #
 #   benchmarks/gpu_check.sh prepare        # here: fills .gpu/ (~52 MB; add /.gpu/ to .git/info/exclude)
 #   benchmarks/gpu_check.sh run            # there, through the device tool with carry [".gpu"];

@@ -3,7 +3,7 @@
 whether `--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16` can pay here.
 
 On a CPU the bf16 setting runs the products with bf16 operands and float32 sums
-(`modeling.half_einsum`), so this times exactly that product. `cpu.fast_bf16` is the rule the
+(`speed.dots.half_einsum`), so this times exactly that product. `cpu.fast_bf16` is the rule the
 CLI's start-up note applies without timing anything; this prints its answer beside the
 measurement, so a new CPU can be checked against it.
 

@@ -57,7 +57,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MklBmm, Bmm, ffi::Ffi::Bind().Arg<ffi::Buffer<ffi:
 
 ATTENTION_PRODUCTS = ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")   # modeling.BertSelfAttention's
 # The line of modeling.BertSelfAttention that picks its product (float32): rewritten for MKL.
-EINSUM_LINE = "                   else jnp.einsum)"
+EINSUM_LINE = "        return jnp.einsum(eq, a, b)"   # modeling.Products.einsum
 
 
 def _args(argv=None):
@@ -173,7 +173,7 @@ def main(argv=None):
         raise SystemExit("mkl_attention_probe: modeling.py's attention product line moved; "
                          "update EINSUM_LINE here")
     mkl_model = ab_modeling._load_source("modeling_mkl", src.replace(
-        EINSUM_LINE, "                   else _mkl_product)"))
+        EINSUM_LINE, "        return _mkl_product(eq, a, b)"))
     mkl_model._mkl_product = mkl_product
     tcfg, tparams = st.load_teacher("minilm")
     scfg = st.student_config("tinybert4", tcfg)

@@ -371,7 +371,7 @@ def _cpu_matmul_peak(n: int, reps: int, dtype=jnp.float32) -> dict:
     """matmul_peak on a CPU, operands in `dtype`, sums and result in float32."""
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
-    # A bfloat16-output dot is upcast to float32 by XLA's CPU backend (modeling.half_einsum).
+    # A bfloat16-output dot is upcast to float32 by XLA's CPU backend (speed.dots.half_einsum).
     f = jax.jit(functools.partial(jnp.matmul, preferred_element_type=jnp.float32))
     jax.block_until_ready(f(a, b))
     ts, cs = [], []

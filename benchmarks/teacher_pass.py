@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from jax_tinybert.speed.cpu import cpu_name, cpuinfo  # noqa: E402
 from jax_tinybert.distill import objectives  # noqa: E402
 from jax_tinybert.teacher import cache as tc  # noqa: E402
+from jax_tinybert.teacher import training as tt
 from jax_tinybert.data import batching, tokenize  # noqa: E402
 from jax_tinybert.model.hf import load_pretrained  # noqa: E402
 from jax_tinybert.model.modeling import BertForSequenceClassification  # noqa: E402
@@ -84,7 +85,7 @@ def main(argv=None):
     params = jax.device_put(params)
     rows = np.arange(len(lens))
     t0 = time.perf_counter()
-    plan = tc.packing_plan(lens, buckets)
+    plan = tt.packing_plan(lens, buckets)
     plan_s = time.perf_counter() - t0
     bucketed_tokens = batching.padded_tokens(lens, buckets)
     fwd_plain = tc.make_forward(model, obj.teacher_features, cls_only=True)
@@ -95,7 +96,7 @@ def main(argv=None):
     if plan is None:
         # The cache build would not pack either: time the pass it does run.
         print(f"packing_plan: packing {args.task} at buckets {buckets} would not pay (cost > "
-              f"{tc.PACK_GAIN} of the bucketed pass); timing the bucketed pass alone", flush=True)
+              f"{tt.PACK_GAIN} of the bucketed pass); timing the bucketed pass alone", flush=True)
         P = S = None
         packed_rows, packed_tokens, fwd_packed, names = [], 0, None, ("bucketed",)
     else:
@@ -112,11 +113,11 @@ def main(argv=None):
         for name in names:
             t = time.perf_counter()
             if name == "bucketed":
-                out = tc._forward_rows(fwd_plain, params,
-                                       tc._row_batches(ds, None, buckets, args.batch_size), rows)
+                out = tt._forward_rows(fwd_plain, params,
+                                       tt._row_batches(ds, None, buckets, args.batch_size), rows)
             else:
-                out = tc._forward_rows(fwd_packed, params,
-                                       tc._packed_row_batches(ds, None, plan, args.batch_size),
+                out = tt._forward_rows(fwd_packed, params,
+                                       tt._packed_row_batches(ds, None, plan, args.batch_size),
                                        rows)
             dt = time.perf_counter() - t
             times[name].append(dt)

@@ -31,8 +31,9 @@ MODULES = {
     "checkpoints": "train.checkpoints", "step": "train.step", "build": "train.build",
     "train_state": "train.state", "sharding": "parallel.sharding",
     "teacher_cache": "teacher.cache", "teacher_store": "teacher.store",
+    "teacher_stream": "teacher.stream",
     "config_base": "config.schema", "config_check": "config.check", "run_export": "cli.export",
-    "plan": "cli.plan", "pipeline": "cli.demo", "malloc": "speed.malloc", "cpu": "speed.cpu",
+    "plan": "cli.plan", "pipeline": "cli.demo", "malloc": "speed.malloc",
     "fs": "fs", "data": "data",
 }
 _NAMES = {**{n: "model.modeling" for n in ("BertConfig", "BertForMaskedLM",

@@ -130,10 +130,12 @@ def _mesh(n):
     (2048, 1, "gpu", 10, 5, 2048),
 ])
 def test_chunk_tokens_auto(monkeypatch, value, devices, backend, steps, buckets, expect):
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    from jax_tinybert import speed
+
     config = config_base.base_config()
     config.train.chunk_tokens = value
-    assert build.chunk_tokens(config, _mesh(devices), steps, buckets) == expect
+    resolved, _ = speed.resolve(config, backend, speed.RunFacts(steps, steps, buckets, devices))
+    assert resolved.train.chunk_tokens == expect
 
 
 def test_the_log_line_says_what_is_chunked():

@@ -468,10 +468,10 @@ def test_a_full_disk_while_exporting_is_one_line_and_the_rerun_finishes(cli):
     args = _with(FINETUNE, ["--workdir=runs/e"])
     boom = ("import errno, sys\n"
             "from jax_tinybert import main\n"
-            "from jax_tinybert.train import loop as train\n"
+            "from jax_tinybert.train import evaluate\n"
             "def export_hf(*a, **k):\n"
             "    raise OSError(errno.ENOSPC, 'No space left on device', 'runs/e/export/x')\n"
-            "train.export_hf = export_hf\n"
+            "evaluate.export_hf = export_hf\n"
             "sys.argv = ['jax-tinybert'] + sys.argv[1:]\n"
             "main.run()\n")
     r = run(["-c", boom, *args], module=None)

@@ -53,7 +53,7 @@ def test_fast_bf16_reads_vendor_and_flags(tmp_path):
 
 def test_importing_it_leaves_jax_unloaded():
     """The benchmarks read the CPU before they set XLA's flags: the module must not load JAX."""
-    code = ("import sys; from jax_tinybert import cpu; cpu.fast_bf16(); cpu.cpu_name(); "
+    code = ("import sys; from jax_tinybert.speed import cpu; cpu.fast_bf16(); cpu.cpu_name(); "
             "print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

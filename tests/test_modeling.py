@@ -474,7 +474,8 @@ def test_half_einsum_matches_numpy(eq, shape_a, shape_b, out_dtype):
     ks = jax.random.split(jax.random.PRNGKey(3), 3)
     a = jax.random.normal(ks[0], shape_a).astype(jnp.bfloat16)
     b = jax.random.normal(ks[1], shape_b)
-    out = jtb.modeling.half_einsum(eq, a, b, jnp.bfloat16, out_dtype)
+    from jax_tinybert.speed.dots import half_einsum
+    out = half_einsum(eq, a, b, jnp.bfloat16, out_dtype)
     assert out.dtype == out_dtype
     ref = np.einsum(eq, _bf16(a), _bf16(b))
     rtol = 2.0 ** -8 if out_dtype == jnp.bfloat16 else 1e-5   # one bfloat16 rounding, or none
@@ -483,7 +484,7 @@ def test_half_einsum_matches_numpy(eq, shape_a, shape_b, out_dtype):
 
     w = jax.random.normal(ks[2], out.shape)
     ga, gb = jax.grad(lambda a, b: jnp.sum(
-        jtb.modeling.half_einsum(eq, a, b, jnp.bfloat16, out_dtype).astype(jnp.float32) * w),
+        half_einsum(eq, a, b, jnp.bfloat16, out_dtype).astype(jnp.float32) * w),
         argnums=(0, 1))(a, b)
     assert ga.dtype == jnp.bfloat16 and gb.dtype == jnp.float32
     ins, o = eq.split("->")
@@ -504,14 +505,15 @@ def test_cpu_bfloat16_runs_bfloat16_products_with_float32_activations(teacher, b
     bfloat16 operands (XLA's CPU backend upcasts a bfloat16-output dot to float32, which lost
     AMX: the first version of bfloat16 compute ran slower than float32), and the outputs and
     gradients stay within bfloat16's rounding of the float32 model's."""
-    from jax_tinybert.train import build
+    from jax_tinybert.speed import dtypes as speed_dtypes
     config, params = teacher
-    assert build.compute_dtypes("bfloat16", "cpu") == {"dtype": jnp.float32,
-                                                       "dot_dtype": jnp.bfloat16}
-    assert build.compute_dtypes("bfloat16", "gpu") == {"dtype": jnp.bfloat16}
-    assert build.compute_dtypes("float32", "cpu") == {"dtype": jnp.float32}
+    from jax_tinybert.speed.dots import HalfProducts
+    assert speed_dtypes.compute_dtypes("bfloat16", "cpu") == {
+        "dtype": jnp.float32, "products": HalfProducts(jnp.bfloat16)}
+    assert speed_dtypes.compute_dtypes("bfloat16", "gpu") == {"dtype": jnp.bfloat16}
+    assert speed_dtypes.compute_dtypes("float32", "cpu") == {"dtype": jnp.float32}
     m32 = jtb.BertForSequenceClassification(config)
-    m16 = m32.clone(**build.compute_dtypes("bfloat16", "cpu"))
+    m16 = m32.clone(**speed_dtypes.compute_dtypes("bfloat16", "cpu"))
     p = m32.init(jax.random.PRNGKey(0), batch["input_ids"])["params"] | {"bert": params}
     # 8 copies of the batch: rows enough that XLA runs every layer's product as a library dot
     # (it emits tiny ones itself, in float32, whatever the operands).
@@ -549,12 +551,14 @@ def test_cpu_bfloat16_runs_bfloat16_products_with_float32_activations(teacher, b
 
 def test_teacher_cache_fingerprint_names_the_product_dtype(teacher):
     """A teacher whose products run in bfloat16 gives other outputs: its cache fingerprint
-    differs, while a float32 teacher's is the one caches were built under before dot_dtype."""
-    from jax_tinybert.teacher import cache as teacher_cache
+    differs, while a float32 teacher's is the one caches were built under before 16-bit
+    products existed (the string is the one those caches recorded)."""
+    from jax_tinybert.speed.dots import HalfProducts
+    from jax_tinybert.teacher import training as teacher_training
     config, _ = teacher
     m = jtb.BertModel(config)
-    assert teacher_cache.teacher_model_id(m) == f"BertModel:{jnp.float32}"
-    assert teacher_cache.teacher_model_id(m.clone(dot_dtype=jnp.bfloat16)) == \
+    assert teacher_training.teacher_model_id(m) == f"BertModel:{jnp.float32}"
+    assert teacher_training.teacher_model_id(m.clone(products=HalfProducts(jnp.bfloat16))) == \
         f"BertModel:{jnp.float32}:dots={jnp.bfloat16}"
 
 
@@ -565,11 +569,11 @@ def test_cpu_bfloat16_attention_products_and_their_gradients_take_bfloat16_opera
     whose operand the library dot cannot read as rows to a float32 Eigen one (the gradients of
     k and v did so until _rows_product_of_columns). The gradients of q, k and v match the
     float32 model's to bfloat16 rounding."""
-    from jax_tinybert.train import build
+    from jax_tinybert.speed import dtypes as speed_dtypes
     cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=256,
                          num_attention_heads=4, vocab_size=100, num_labels=3)
     m32 = jtb.BertForSequenceClassification(cfg)
-    m16 = m32.clone(**build.compute_dtypes("bfloat16", "cpu"))
+    m16 = m32.clone(**speed_dtypes.compute_dtypes("bfloat16", "cpu"))
     ids = jax.random.randint(jax.random.PRNGKey(1), (16, 64), 1, 100)
     mask = jnp.ones(ids.shape, jnp.int32).at[0, 40:].set(0)
     p = m32.init(jax.random.PRNGKey(0), ids)["params"]
@@ -603,11 +607,11 @@ def test_cpu_bfloat16_step_runs_at_odd_shapes(B, T):
     CPU backend fails at run time ("Unsupported element type for DotThunk::Execute: BF16 x
     BF16 = F32") on a bfloat16 product it first planned for the library dot and then gave a
     layout the library cannot take."""
-    from jax_tinybert.train import build
+    from jax_tinybert.speed import dtypes as speed_dtypes
     cfg = jtb.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=256,
                          num_attention_heads=4, vocab_size=100, num_labels=3)
     m32 = jtb.BertForSequenceClassification(cfg)
-    m16 = m32.clone(**build.compute_dtypes("bfloat16", "cpu"))
+    m16 = m32.clone(**speed_dtypes.compute_dtypes("bfloat16", "cpu"))
     ids = jax.random.randint(jax.random.PRNGKey(1), (B, T), 1, 100)
     mask = jnp.ones((B, T), jnp.int32).at[0, T // 2:].set(0)
     p = m32.init(jax.random.PRNGKey(0), ids)["params"]

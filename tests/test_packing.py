@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_tinybert.teacher import cache as tc
+
+from jax_tinybert.teacher import training as tt
 from jax_tinybert.data import packing
 from jax_tinybert.data.tokenize import EncodedDataset
 from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, BertModel, random_params
@@ -120,13 +122,13 @@ def test_packed_pass_equals_bucketed_pass_over_a_subset():
     lens = np.random.default_rng(2).integers(3, 14, size=60)
     ds = _random_ds(lens, seed=4)
     rows = np.sort(np.random.default_rng(5).choice(60, size=41, replace=False))
-    plan = tc.packing_plan(lens[rows], (16, 32, 64))
+    plan = tt.packing_plan(lens[rows], (16, 32, 64))
     assert plan is not None and plan[0] in (16, 32, 64) and plan[1] > 1
-    packed = tc._forward_rows(tc.make_forward(model, cls_layers=(1, 2),
+    packed = tt._forward_rows(tc.make_forward(model, cls_layers=(1, 2),
                                               packed_segments=plan[1]),
-                              params, tc._packed_row_batches(ds, rows, plan, 8), rows)
-    plain = tc._forward_rows(tc.make_forward(model, cls_layers=(1, 2)), params,
-                             tc._row_batches(ds, rows, (16, 32, 64), 8), rows)
+                              params, tt._packed_row_batches(ds, rows, plan, 8), rows)
+    plain = tt._forward_rows(tc.make_forward(model, cls_layers=(1, 2)), params,
+                             tt._row_batches(ds, rows, (16, 32, 64), 8), rows)
     assert set(packed) == set(plain) == {"teacher_logits", "teacher_cls"}
     for k in plain:
         np.testing.assert_allclose(packed[k], plain[k], atol=1e-5, err_msg=k)
@@ -135,16 +137,16 @@ def test_packed_pass_equals_bucketed_pass_over_a_subset():
 
 def test_packing_plan_chooses_by_cost():
     short = np.random.default_rng(0).integers(3, 11, size=600)
-    P, S, rows = tc.packing_plan(short, (8, 16, 32, 64))
+    P, S, rows = tt.packing_plan(short, (8, 16, 32, 64))
     assert P in (16, 32, 64) and S > 1 and sorted(np.concatenate(rows)) == list(range(600))
     unit = lambda t: t * (1 + t / tc.PACK_ATTENTION_LEN)
     bucketed = sum(unit(8 if n <= 8 else 16) for n in short)
-    assert len(rows) * unit(P) <= tc.PACK_GAIN * bucketed
+    assert len(rows) * unit(P) <= tt.PACK_GAIN * bucketed
     for Q in (16, 32, 64):   # the cheapest of the row lengths that hold every example
         assert len(rows) * unit(P) <= len(packing.pack(short, Q, Q // 4)) * unit(Q)
     long_pairs = np.random.default_rng(0).integers(65, 120, size=200)
-    assert tc.packing_plan(long_pairs, (64, 128)) is None   # ~1 example per row of 128
-    assert tc.packing_plan(np.array([70]), (16, 64)) is None   # longer than every bucket
+    assert tt.packing_plan(long_pairs, (64, 128)) is None   # ~1 example per row of 128
+    assert tt.packing_plan(np.array([70]), (16, 64)) is None   # longer than every bucket
 
 
 def test_cache_built_from_packed_rows_equals_live_forward(tmp_path):
@@ -153,11 +155,11 @@ def test_cache_built_from_packed_rows_equals_live_forward(tmp_path):
     model, params = _tiny_classifier(num_labels=2, seed=1)
     lens = np.random.default_rng(6).integers(3, 12, size=45)
     ds = _random_ds(lens, seed=7)
-    plan = tc.packing_plan(lens, (16, 32))
+    plan = tt.packing_plan(lens, (16, 32))
     assert plan is not None
     cache = tc.build(str(tmp_path / "c"), {"t": 1}, tc.make_forward(
         model, cls_layers=(0, 2), packed_segments=plan[1]), params,
-        tc._packed_row_batches(ds, None, plan, 8), len(lens))
+        tt._packed_row_batches(ds, None, plan, 8), len(lens))
     got = cache.lookup(np.arange(len(lens)))
     live = tc.make_forward(model, cls_layers=(0, 2))
     for i in range(len(lens)):
@@ -176,11 +178,11 @@ def test_a_passes_work_is_what_its_batches_add_up_to():
     ds = _random_ds(lens, seed=9)
     rows = np.sort(np.random.default_rng(10).choice(300, size=217, replace=False))
     buckets = (16, 32)
-    plan = tc.packing_plan(lens[rows], buckets)
+    plan = tt.packing_plan(lens[rows], buckets)
     assert plan is not None
-    for batches, total in ((tc._packed_row_batches(ds, rows, plan, 8),
+    for batches, total in ((tt._packed_row_batches(ds, rows, plan, 8),
                             tc.pass_work(lens[rows], buckets, plan)),
-                           (tc._row_batches(ds, rows, buckets, 8),
+                           (tt._row_batches(ds, rows, buckets, 8),
                             tc.pass_work(lens[rows], buckets))):
         done = 0.0
         for b in batches:

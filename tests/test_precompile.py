@@ -118,9 +118,13 @@ def test_two_workers_compile_two_programs_at_once():
 
 @pytest.mark.parametrize("backend,cpus,want", [
     ("cpu", 2, 1), ("cpu", 64, 1), ("gpu", 16, 4), ("gpu", 8, 2), ("gpu", 4, 1), ("gpu", 2, 1),
-    ("tpu", 240, 4), ("gpu", None, 1)])
+    ("tpu", 240, 4), ("gpu", 0, 1)])
 def test_auto_workers(backend, cpus, want):
-    assert precompile.auto_workers(backend, cpus) == want
+    from jax_tinybert import speed
+    from jax_tinybert.config import schema
+
+    facts = speed.RunFacts(1, 1, 1, host_cpus=cpus)
+    assert speed.resolve(schema.base_config(), backend, facts)[0].train.compile_workers == want
 
 
 def test_quiet_since_says_when_the_worker_ran_out_of_work():

@@ -223,23 +223,29 @@ def test_split_step_lowers_and_compiles_as_one_step():
 
 
 def test_auto_splits_the_update_in_runs_short_for_their_buckets():
-    from jax_tinybert.train import build
+    from jax_tinybert import speed
     from jax_tinybert.config import schema as config_base
-    from jax_tinybert.config.check import ConfigValueError
+    from jax_tinybert.config.check import ConfigValueError, validate_config
+    from jax_tinybert.train import build
 
     c = config_base.base_config()
-    per = build.SPLIT_STEPS_PER_BUCKET["cpu"]
+    per = speed.CPU.split_steps_per_bucket
     assert c.train.split_update == "auto"
-    c.objective.name = "tinybert_intermediate"   # measured no slower split: any length
-    assert build.splits_update(c, total_steps=10 ** 6, num_buckets=1)
-    c.objective.name = "tinybert_pred"
-    assert build.splits_update(c, total_steps=6 * per, num_buckets=6)        # SST-2, 1 epoch
-    assert not build.splits_update(c, total_steps=6 * per + 1, num_buckets=6)
-    assert not build.splits_update(c, total_steps=3 * 2101, num_buckets=6)   # 3 epochs
+
+    def splits(objective, total_steps, num_buckets, backend="cpu"):
+        facts = speed.RunFacts(total_steps, total_steps, num_buckets, objective=objective)
+        return speed.resolve(c, backend, facts)[0].train.split_update == "always"
+
+    # The intermediate stage was measured no slower split: any length.
+    assert splits("tinybert_intermediate", total_steps=10 ** 6, num_buckets=1)
+    assert splits("tinybert_pred", total_steps=6 * per, num_buckets=6)        # SST-2, 1 epoch
+    assert not splits("tinybert_pred", total_steps=6 * per + 1, num_buckets=6)
+    assert not splits("tinybert_pred", total_steps=3 * 2101, num_buckets=6)   # 3 epochs
+    assert not splits("tinybert_intermediate", total_steps=1, num_buckets=1, backend="gpu")
     c.train.split_update = "always"
-    assert build.splits_update(c, total_steps=10 ** 6, num_buckets=1)
+    assert splits("tinybert_pred", total_steps=10 ** 6, num_buckets=1)
     c.train.split_update = "never"
-    assert not build.splits_update(c, total_steps=1, num_buckets=6)
+    assert not splits("tinybert_pred", total_steps=1, num_buckets=6)
     c.train.split_update = "sometimes"
     with pytest.raises(ConfigValueError, match="split_update"):
-        build.splits_update(c, total_steps=1, num_buckets=1)
+        validate_config(build.with_defaults(c), paths=False)

@@ -11,6 +11,10 @@ import numpy as np
 import pytest
 
 from jax_tinybert.teacher import cache as tc
+
+from jax_tinybert.teacher import training as tt
+
+from jax_tinybert.teacher import fingerprint as tfp
 from jax_tinybert.data.batching import BucketedBatcher
 from jax_tinybert.data.tokenize import EncodedDataset
 from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, random_params
@@ -41,7 +45,7 @@ def small():
     ds = EncodedDataset(ids, np.zeros_like(ids, np.int8),
                         np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), None, 0)
     forward = tc.make_forward(model, cls_layers=(1, 2))
-    fp = {"teacher": tc.params_fingerprint(params), "data": tc.dataset_fingerprint(ds),
+    fp = {"teacher": tfp.params_fingerprint(params), "data": tfp.dataset_fingerprint(ds),
           "tokenizer": "none", "layers": [1, 2]}
     return types.SimpleNamespace(model=model, params=params, ds=ds, forward=forward, fp=fp)
 
@@ -74,7 +78,7 @@ def test_cached_equals_live_teacher(tmp_path, teacher_dir, glue_dir):
         "bias": np.array([0.05, -0.05], np.float32)}}
     model = BertForSequenceClassification(config)
     layers = (2, 4, 6)
-    cache = tc.build_or_load(str(tmp_path / "c"), {"teacher": tc.params_fingerprint(params)},
+    cache = tc.build_or_load(str(tmp_path / "c"), {"teacher": tfp.params_fingerprint(params)},
                              tc.make_forward(model, cls_layers=layers), params,
                              lambda: _batches(ds, buckets=(64,)), len(ds))
     live = jax.jit(lambda p, i, m, t: model.apply({"params": p}, i, m, t))
@@ -116,9 +120,9 @@ def test_up_to_date_cache_is_reused_and_fingerprint_change_rebuilds(tmp_path, sm
 
 def test_real_params_change_changes_the_fingerprint(small):
     p2 = jax.tree_util.tree_map(lambda x: x.copy(), small.params)
-    assert tc.params_fingerprint(p2) == small.fp["teacher"]
+    assert tfp.params_fingerprint(p2) == small.fp["teacher"]
     p2["classifier"]["bias"][0] += 1e-3
-    assert tc.params_fingerprint(p2) != small.fp["teacher"]
+    assert tfp.params_fingerprint(p2) != small.fp["teacher"]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "missing"])
@@ -232,16 +236,16 @@ def test_forwarded_raises_the_forwards_error_and_stops():
 
 
 def test_rows_per_forward_keeps_about_a_thousand_tokens_in_chunks_that_divide_the_batch():
-    assert [tc.rows_per_forward(T, 64) for T in (8, 16, 24, 32, 40, 64, 104, 128)] == \
+    assert [tt.rows_per_forward(T, 64) for T in (8, 16, 24, 32, 40, 64, 104, 128)] == \
         [64, 64, 32, 32, 16, 16, 8, 8]
-    assert tc.rows_per_forward(128, 48) == 12 and tc.rows_per_forward(128, 37) == 37
-    assert tc.rows_per_forward(512, 64) == 8 and tc.rows_per_forward(16, 4) == 4
+    assert tt.rows_per_forward(128, 48) == 12 and tt.rows_per_forward(128, 37) == 37
+    assert tt.rows_per_forward(512, 64) == 8 and tt.rows_per_forward(16, 4) == 4
 
 
 def test_chunked_build_batches_cover_every_row_once_and_match_whole_batches(tmp_path, small):
     # 37 rows in a 128-token bucket, 32 per batch: chunks of 8 rows, and the second batch's
     # chunks of filler rows only are not forwarded.
-    chunks = list(tc._row_batches(small.ds, None, (128,), 32))
+    chunks = list(tt._row_batches(small.ds, None, (128,), 32))
     assert [len(c["example_id"]) for c in chunks] == [8] * 5
     ids = np.concatenate([c["example_id"] for c in chunks])
     assert sorted(ids[ids >= 0].tolist()) == list(range(len(small.ds)))
@@ -264,7 +268,7 @@ def test_build_for_training(tmp_path, small):
     models = types.SimpleNamespace(teacher=small.model, teacher_params=small.params,
                                    teacher_config=t_cfg, tokenizer_dir=_TOKENIZER_DIR())
     data = types.SimpleNamespace(train_dataset=small.ds, train_batches=_batches(small.ds))
-    cache = tc.build_for_training(models, obj, data, str(tmp_path))
+    cache = tt.build_for_training(models, obj, data, str(tmp_path))
     assert os.path.exists(tmp_path / "cache" / "teacher" / "meta.json")
     batch = next(iter(_batches(small.ds)))
     out = small.model.apply({"params": small.params}, batch["input_ids"],
@@ -364,7 +368,7 @@ def test_rows_read_is_what_the_training_batches_hold(small, process_count):
         assert got.tolist() == sorted(seen), num_steps
         # A run's cache holds what its batches read, and every row from an epoch on (what the
         # per-token cache's size check counts too).
-        cached = tc.rows_to_cache(batcher(0), small.ds, num_steps)
+        cached = tt.rows_to_cache(batcher(0), small.ds, num_steps)
         if num_steps < spe:
             assert cached.tolist() == sorted(seen), num_steps
         else:
@@ -387,7 +391,7 @@ def test_short_run_caches_only_the_rows_it_reads(tmp_path, small, caplog):
                                     process_index=0, process_count=1)
     data = types.SimpleNamespace(train_dataset=small.ds, train_batches=train())
     with caplog.at_level(logging.WARNING):
-        cache = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=2)
+        cache = tt.build_for_training(models, obj, data, str(tmp_path), num_steps=2)
     assert not caplog.records  # a deliberate subset is not "examples not covered"
     live = jax.jit(lambda p, i, m, t: small.model.apply({"params": p}, i, m, t).logits)
     it, read = train(), set()
@@ -405,14 +409,14 @@ def test_short_run_caches_only_the_rows_it_reads(tmp_path, small, caplog):
         cache.lookup(np.array([unread]))
     # Same steps: reused. More steps: other rows, so rebuilt. An epoch or more: every row, and
     # the same cache as a run without a step count.
-    again = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=2)
+    again = tt.build_for_training(models, obj, data, str(tmp_path), num_steps=2)
     assert again.build_stats is None
-    more = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=3)
+    more = tt.build_for_training(models, obj, data, str(tmp_path), num_steps=3)
     assert more.build_stats["rows"] == 24
     spe = data.train_batches.steps_per_epoch
-    every = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=40 * spe)
+    every = tt.build_for_training(models, obj, data, str(tmp_path), num_steps=40 * spe)
     assert every.build_stats["rows"] == len(small.ds) and "rows" not in every.fingerprint
-    assert tc.build_for_training(models, obj, data, str(tmp_path)).build_stats is None
+    assert tt.build_for_training(models, obj, data, str(tmp_path)).build_stats is None
 
 
 # ----------------------------------------------------------------- intermediate (per-token) cache
@@ -439,12 +443,12 @@ def test_intermediate_cache_equals_live_teacher(tmp_path, small, dtype, tol):
                                     process_index=0, process_count=1)
     data = types.SimpleNamespace(train_dataset=small.ds, train_batches=train())
     spe = data.train_batches.steps_per_epoch
-    cache = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=2 * spe,
+    cache = tt.build_for_training(models, obj, data, str(tmp_path), num_steps=2 * spe,
                                   token_dtype=dtype)
     assert set(cache.token_fields) == {"teacher_attn", "teacher_hidden"}
     # Rows are stored at their own bucket length: 16 and 32 here, never padded to 64.
     assert set(cache.meta["token_fields"]["teacher_attn"]["row_shapes"]) == {"16", "32"}
-    want_bytes = tc.token_cache_bytes(obj, cache.token_index[cache.filled, 0], dtype)
+    want_bytes = tt.token_cache_bytes(obj, cache.token_index[cache.filled, 0], dtype)
     assert cache.build_stats["bytes"] - sum(i["bytes"] for i in cache.meta["fields"].values()) \
         == want_bytes
     proj = obj.init_projection(jax.random.PRNGKey(3))
@@ -481,18 +485,18 @@ def test_intermediate_cache_damage_and_other_buckets_rebuild(tmp_path, small, ca
     mk = lambda buckets: types.SimpleNamespace(
         train_dataset=small.ds, train_batches=BucketedBatcher(
             small.ds, 8, buckets, train=True, seed=2, process_index=0, process_count=1))
-    c1 = tc.build_for_training(models, obj, mk((16, 32, 64)), str(tmp_path), num_steps=8,
+    c1 = tt.build_for_training(models, obj, mk((16, 32, 64)), str(tmp_path), num_steps=8,
                                token_dtype="float16")
     assert c1.build_stats is not None
     # Each per-token file's CRC-32 (summed up as it was written) is the file's, read back here.
     folder = tmp_path / "cache" / "teacher"
     for name, info in c1.meta["token_fields"].items():
         assert info["crc32"] == zlib.crc32((folder / f"{name}.bin").read_bytes()), name
-    reused = tc.build_for_training(models, obj, mk((16, 32, 64)), str(tmp_path), num_steps=8,
+    reused = tt.build_for_training(models, obj, mk((16, 32, 64)), str(tmp_path), num_steps=8,
                                    token_dtype="float16")
     assert reused.build_stats is None
     # Another bucket set changes every row's stored length: rebuilt, not misread.
-    c2 = tc.build_for_training(models, obj, mk((32,)), str(tmp_path), num_steps=8,
+    c2 = tt.build_for_training(models, obj, mk((32,)), str(tmp_path), num_steps=8,
                                token_dtype="float16")
     assert c2.build_stats is not None
     assert set(c2.meta["token_fields"]["teacher_hidden"]["row_shapes"]) == {"32"}
@@ -502,7 +506,7 @@ def test_intermediate_cache_damage_and_other_buckets_rebuild(tmp_path, small, ca
     raw[len(raw) // 2] ^= 0xFF
     p.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING):
-        c3 = tc.build_for_training(models, obj, mk((32,)), str(tmp_path), num_steps=8,
+        c3 = tt.build_for_training(models, obj, mk((32,)), str(tmp_path), num_steps=8,
                                    token_dtype="float16")
     assert c3.build_stats is not None and "checksum mismatch" in caplog.text
 
@@ -524,7 +528,7 @@ def test_attention_only_objective_trains_from_the_cache(tmp_path, small, attn_lo
                                    teacher_config=t_cfg, tokenizer_dir=_TOKENIZER_DIR())
     data = types.SimpleNamespace(train_dataset=small.ds, train_batches=BucketedBatcher(
         small.ds, 8, (32,), train=True, seed=0, process_index=0, process_count=1))
-    cache = tc.build_for_training(models, obj, data, str(tmp_path), num_steps=4,
+    cache = tt.build_for_training(models, obj, data, str(tmp_path), num_steps=4,
                                   token_dtype="float32")
     assert set(cache.token_fields) == {"teacher_attn"}
     student = BertForSequenceClassification(s_cfg)
@@ -552,6 +556,7 @@ def test_a_finished_runs_token_cache_is_deleted_and_unmapped_in_a_thread(tmp_pat
     import errno
     import threading
 
+    from jax_tinybert.teacher import stream as teacher_stream
     from jax_tinybert.train import loop as train
 
     obj, models, _, _ = _intermediate(small)
@@ -561,7 +566,7 @@ def test_a_finished_runs_token_cache_is_deleted_and_unmapped_in_a_thread(tmp_pat
     T = b["input_ids"].shape[1]
 
     def built(name):
-        cache = tc.build_for_training(models, obj, data, str(tmp_path / name), num_steps=8,
+        cache = tt.build_for_training(models, obj, data, str(tmp_path / name), num_steps=8,
                                       token_dtype="float16")
         assert cache.lookup(b["example_id"], seq_len=T)["teacher_attn"].shape[0] == 8
         return cache
@@ -576,7 +581,7 @@ def test_a_finished_runs_token_cache_is_deleted_and_unmapped_in_a_thread(tmp_pat
     close = cache.close
     monkeypatch.setattr(cache, "close", lambda: (closed_by.append(threading.current_thread()),
                                                  close()))
-    train._TokenCacheDrop(cache).finish()
+    teacher_stream.TokenCacheDrop(cache).finish()
     assert closed_by and closed_by[0] is not threading.main_thread()
     assert not os.path.exists(cache.local_dir) and maps(cache.local_dir) == []
     assert f"removed the per-token cache {cache.path}" in capsys.readouterr().out
@@ -589,7 +594,7 @@ def test_a_finished_runs_token_cache_is_deleted_and_unmapped_in_a_thread(tmp_pat
         raise OSError(errno.EACCES, "Permission denied", path)
 
     monkeypatch.setattr(train.fs, "rmtree", refused)
-    drop = train._TokenCacheDrop(cache)
+    drop = teacher_stream.TokenCacheDrop(cache)
     with pytest.raises(OSError, match="Permission denied"):
         drop.finish()
     assert "removed" not in capsys.readouterr().out and os.path.isdir(cache.local_dir)

@@ -10,6 +10,7 @@ import pytest
 
 from jax_tinybert.distill import objectives
 from jax_tinybert.teacher import cache as tc
+from jax_tinybert.teacher import training as tt
 from jax_tinybert.teacher import store as ts
 from jax_tinybert.data.batching import BucketedBatcher
 from test_teacher_cache import _TOKENIZER_DIR, _intermediate, small  # noqa: F401 (fixture)
@@ -55,12 +56,12 @@ def _no_forward(monkeypatch):
 def test_second_run_reads_the_store_instead_of_the_teacher(tmp_path, small, monkeypatch):
     store = ts.Store(str(tmp_path / "store"))
     obj, models = _pred_run(small)
-    first = tc.build_for_training(models, obj, _data(small), str(tmp_path / "a"), store=store)
+    first = tt.build_for_training(models, obj, _data(small), str(tmp_path / "a"), store=store)
     assert first.build_stats is not None
     assert len(os.listdir(store.root)) == 1
     # Another workdir, the same teacher and data: no teacher forward at all.
     _no_forward(monkeypatch)
-    second = tc.build_for_training(models, obj, _data(small), str(tmp_path / "b"), store=store)
+    second = tt.build_for_training(models, obj, _data(small), str(tmp_path / "b"), store=store)
     assert second.build_stats is None
     ids = np.arange(len(small.ds))
     want = _live_logits(small, small.params, ids)
@@ -68,7 +69,7 @@ def test_second_run_reads_the_store_instead_of_the_teacher(tmp_path, small, monk
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got, first.lookup(ids)["teacher_logits"])
     # The workdir copy carries the run's own fingerprint: a rerun there is up to date, store off.
-    again = tc.build_for_training(models, obj, _data(small), str(tmp_path / "b"))
+    again = tt.build_for_training(models, obj, _data(small), str(tmp_path / "b"))
     assert again.build_stats is None
     assert sorted(os.listdir(tmp_path / "b" / "cache")) == ["teacher"]   # no temporaries left
 
@@ -76,11 +77,11 @@ def test_second_run_reads_the_store_instead_of_the_teacher(tmp_path, small, monk
 def test_other_teacher_params_other_entry(tmp_path, small):
     store = ts.Store(str(tmp_path / "store"))
     obj, models = _pred_run(small)
-    tc.build_for_training(models, obj, _data(small), str(tmp_path / "a"), store=store)
+    tt.build_for_training(models, obj, _data(small), str(tmp_path / "a"), store=store)
     params = jax.tree_util.tree_map(np.copy, small.params)
     params["classifier"]["bias"] = params["classifier"]["bias"] + 0.5
     obj, other = _pred_run(small, params)
-    c = tc.build_for_training(other, obj, _data(small), str(tmp_path / "b"), store=store)
+    c = tt.build_for_training(other, obj, _data(small), str(tmp_path / "b"), store=store)
     assert c.build_stats is not None
     assert len(os.listdir(store.root)) == 2
     np.testing.assert_allclose(c.lookup([0])["teacher_logits"],
@@ -92,7 +93,7 @@ def test_intermediate_build_publishes_the_logits_the_pred_stage_reads(tmp_path, 
     store = ts.Store(str(tmp_path / "store"))
     obj, models, _, _ = _intermediate(small)
     spe = _data(small).train_batches.steps_per_epoch
-    inter = tc.build_for_training(models, obj, _data(small), str(tmp_path / "inter"),
+    inter = tt.build_for_training(models, obj, _data(small), str(tmp_path / "inter"),
                                   num_steps=3 * spe, token_dtype="float16", store=store)
     assert inter.build_stats is not None
     # The intermediate batches get the per-token fields only.
@@ -103,7 +104,7 @@ def test_intermediate_build_publishes_the_logits_the_pred_stage_reads(tmp_path, 
         == ["filled.npy", "teacher_logits.npy"]
     pobj, pmodels = _pred_run(small)
     _no_forward(monkeypatch)
-    pred = tc.build_for_training(pmodels, pobj, _data(small), str(tmp_path / "pred"),
+    pred = tt.build_for_training(pmodels, pobj, _data(small), str(tmp_path / "pred"),
                                  num_steps=spe, store=store)
     assert pred.build_stats is None
     ids = np.flatnonzero(pred.filled)
@@ -119,13 +120,13 @@ def test_a_run_of_an_epoch_publishes_every_row(tmp_path, small, monkeypatch):
     a = _data(small, buckets=(16, 32, 64))
     read = a.train_batches.rows_read(a.train_batches.steps_per_epoch)
     assert len(read) < len(small.ds)     # the premise: one epoch leaves rows unread
-    first = tc.build_for_training(models, obj, a, str(tmp_path / "a"),
+    first = tt.build_for_training(models, obj, a, str(tmp_path / "a"),
                                   num_steps=a.train_batches.steps_per_epoch, store=store)
     assert np.asarray(first.filled).all()
     b = _data(small, buckets=(24, 64))
     need = b.train_batches.rows_read(b.train_batches.steps_per_epoch)
     _no_forward(monkeypatch)
-    second = tc.build_for_training(models, obj, b, str(tmp_path / "b"),
+    second = tt.build_for_training(models, obj, b, str(tmp_path / "b"),
                                    num_steps=b.train_batches.steps_per_epoch, store=store)
     assert second.build_stats is None and np.asarray(second.filled)[need].all()
     np.testing.assert_allclose(second.lookup(need)["teacher_logits"],
@@ -139,7 +140,7 @@ def test_an_entry_of_other_buckets_is_completed_not_rebuilt(tmp_path, small, mon
     store = ts.Store(str(tmp_path / "store"))
     obj, models = _pred_run(small)
     a = _data(small, buckets=(16, 32, 64))
-    first = tc.build_for_training(models, obj, a, str(tmp_path / "a"),
+    first = tt.build_for_training(models, obj, a, str(tmp_path / "a"),
                                   num_steps=a.train_batches.steps_per_epoch - 1, store=store)
     b = _data(small, buckets=(24, 64))
     steps_b = b.train_batches.steps_per_epoch - 1
@@ -147,7 +148,7 @@ def test_an_entry_of_other_buckets_is_completed_not_rebuilt(tmp_path, small, mon
     lacking = need[~np.asarray(first.filled)[need]]
     assert 0 < len(lacking) <= len(need) // 4, (len(lacking), len(need))
     _no_forward(monkeypatch)    # no full build: tc.build would fail
-    second = tc.build_for_training(models, obj, b, str(tmp_path / "b"), num_steps=steps_b,
+    second = tt.build_for_training(models, obj, b, str(tmp_path / "b"), num_steps=steps_b,
                                    store=store)
     assert second.build_stats is None and np.asarray(second.filled)[need].all()
     np.testing.assert_allclose(second.lookup(need)["teacher_logits"],
@@ -163,10 +164,10 @@ def test_missing_rows_or_damage_rebuild(tmp_path, small, caplog):
     store = ts.Store(str(tmp_path / "store"))
     obj, models = _pred_run(small)
     # A 1-step run reads 8 of the 37 rows: its entry cannot serve a run that reads them all.
-    part = tc.build_for_training(models, obj, _data(small), str(tmp_path / "a"), num_steps=1,
+    part = tt.build_for_training(models, obj, _data(small), str(tmp_path / "a"), num_steps=1,
                                  store=store)
     assert int(part.filled.sum()) == 8
-    full = tc.build_for_training(models, obj, _data(small), str(tmp_path / "b"), store=store)
+    full = tt.build_for_training(models, obj, _data(small), str(tmp_path / "b"), store=store)
     assert full.build_stats is not None
     (entry,) = os.listdir(store.root)    # the entry now has every row (replaced)
     assert int(np.load(os.path.join(store.root, entry, "filled.npy")).sum()) == len(small.ds)
@@ -176,7 +177,7 @@ def test_missing_rows_or_damage_rebuild(tmp_path, small, caplog):
     raw[-3] ^= 0xFF
     open(p, "wb").write(bytes(raw))
     with caplog.at_level(logging.WARNING):
-        c = tc.build_for_training(models, obj, _data(small), str(tmp_path / "c"), store=store)
+        c = tt.build_for_training(models, obj, _data(small), str(tmp_path / "c"), store=store)
     assert c.build_stats is not None and "damaged entry" in caplog.text
     np.testing.assert_allclose(c.lookup([5])["teacher_logits"],
                                _live_logits(small, small.params, [5]), rtol=1e-5, atol=1e-5)

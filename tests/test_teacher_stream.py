@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 from jax_tinybert.teacher import cache as tc
-from jax_tinybert.speed import teacher_stream as ts
+
+from jax_tinybert.teacher import training as tt
+import dataclasses
+
+from jax_tinybert.speed import profiles
+from jax_tinybert.teacher import stream as ts
 from jax_tinybert.data.batching import BucketedBatcher, assign_buckets
 
 import test_teacher_cache
@@ -56,12 +61,12 @@ def test_steps_order_runs_from_the_position_to_the_end_of_its_epoch(small):
 def test_ordered_batches_follow_the_steps_then_cover_the_rest_once(small):
     ds, b = small.ds, _train(small.ds)
     order = _plan_steps(b, 0, 0, b.steps_per_epoch)
-    chunks = list(tc._ordered_row_batches(ds, order, None, BUCKETS, 64))
+    chunks = list(tt._ordered_row_batches(ds, order, None, BUCKETS, 64))
     lengths = np.asarray(ds.lengths)
     seen = []
     for c in chunks:
         R, T = c["input_ids"].shape
-        assert R == tc.rows_per_forward(T, 8)   # the shapes of a build before steps of 8 rows
+        assert R == tt.rows_per_forward(T, 8)   # the shapes of a build before steps of 8 rows
         real = c["example_id"] >= 0
         assert np.array_equal(real, c["valid"] > 0) and real.any()
         ids = c["example_id"][real]
@@ -78,7 +83,7 @@ def test_ordered_batches_follow_the_steps_then_cover_the_rest_once(small):
     assert seen[:len(in_steps)] == in_steps
     # Only the rows asked for.
     rows = np.asarray(sorted(set(in_steps[:8]) | {in_steps[-1]}), np.int64)
-    sub = [i for c in tc._ordered_row_batches(ds, order, rows, BUCKETS, 64)
+    sub = [i for c in tt._ordered_row_batches(ds, order, rows, BUCKETS, 64)
            for i in c["example_id"][c["example_id"] >= 0].tolist()]
     assert sorted(sub) == rows.tolist() and sub[:8] == in_steps[:8]
 
@@ -89,9 +94,9 @@ def _build(tmp_path, small, name, beside):
     spe = data.train_batches.steps_per_epoch
     kw = dict(num_steps=2 * spe, token_dtype="float32")
     if not beside:
-        return tc.build_for_training(models, obj, data, str(tmp_path / name), **kw), data
+        return tt.build_for_training(models, obj, data, str(tmp_path / name), **kw), data
     order = ts.steps_order(data.train_batches, 2 * spe)
-    return ts.StreamingCache(lambda live: tc.build_for_training(
+    return ts.StreamingCache(lambda live: tt.build_for_training(
         models, obj, data, str(tmp_path / name), live=live, order=order, **kw), "float32"), data
 
 
@@ -143,14 +148,14 @@ def gated(monkeypatch):
     """Wraps the per-token build's forward in a `_Gate` (kw: its arguments), one forward in
     flight."""
     out = types.SimpleNamespace(kw={"free": 1}, gates=[])
-    real = tc._training_forward
+    real = tt._training_forward
 
     def wrapped(*a, **k):
         out.gates.append(_Gate(real(*a, **k), **out.kw))
         return out.gates[-1]
 
-    monkeypatch.setattr(tc, "_training_forward", wrapped)
-    monkeypatch.setattr(tc, "FORWARDS_IN_FLIGHT", 1)
+    monkeypatch.setattr(tt, "_training_forward", wrapped)
+    monkeypatch.setattr(profiles, "CPU", dataclasses.replace(profiles.CPU, forwards_in_flight=1))
     return out
 
 
@@ -160,7 +165,7 @@ def test_a_lookup_waits_for_its_rows(tmp_path, small, gated):
     first = next(b)
     T = first["input_ids"].shape[1]
     # The first step's rows: one chunk (8 rows at 16 or 32 tokens).
-    assert tc.rows_per_forward(T, 8) == 8
+    assert tt.rows_per_forward(T, 8) == 8
     got = stream.lookup(first["example_id"], seq_len=T)
     assert got["teacher_attn"].shape[:1] == (8,)
     late = next(b)
@@ -227,13 +232,13 @@ def test_a_logits_cache_built_beside_the_steps_follows_them_and_holds_what_one_b
     obj, models = _pred(small)
     data = types.SimpleNamespace(train_dataset=small.ds, train_batches=_train(small.ds))
     spe = data.train_batches.steps_per_epoch
-    monkeypatch.setattr(tc, "PACK_GAIN", 1e9)   # packing always pays: not in the steps' order
-    assert not tc.follows_steps(obj, data, None, 2 * spe)
-    assert tc.follows_steps(_intermediate(small)[0], data, "float32", 2 * spe)   # per-token
-    monkeypatch.setattr(tc, "PACK_GAIN", 0.0)   # it never does (MRPC's pairs)
-    assert tc.follows_steps(obj, data, None, 2 * spe)
+    monkeypatch.setattr(tt, "PACK_GAIN", 1e9)   # packing always pays: not in the steps' order
+    assert not tt.follows_steps(obj, data, None, 2 * spe)
+    assert tt.follows_steps(_intermediate(small)[0], data, "float32", 2 * spe)   # per-token
+    monkeypatch.setattr(tt, "PACK_GAIN", 0.0)   # it never does (MRPC's pairs)
+    assert tt.follows_steps(obj, data, None, 2 * spe)
 
-    before = tc.build_for_training(models, obj, data, str(tmp_path / "before"),
+    before = tt.build_for_training(models, obj, data, str(tmp_path / "before"),
                                    num_steps=2 * spe)
     written, fill = [], ts.Live.fill
 
@@ -243,7 +248,7 @@ def test_a_logits_cache_built_beside_the_steps_follows_them_and_holds_what_one_b
 
     monkeypatch.setattr(ts.Live, "fill", record)
     order = ts.steps_order(data.train_batches, 2 * spe)
-    stream = ts.StreamingCache(lambda live: tc.build_for_training(
+    stream = ts.StreamingCache(lambda live: tt.build_for_training(
         models, obj, data, str(tmp_path / "beside"), num_steps=2 * spe, live=live,
         order=order), None)
     it = _train(small.ds)
@@ -274,14 +279,14 @@ def test_a_first_lookup_after_the_pass_before_the_builds_end_reads_every_field(
     logits), and a per-token cache's files were looked for under the temporary name."""
     if kind == "logits":
         (obj, models), dtype, fields = _pred(small), None, {"teacher_logits"}
-        monkeypatch.setattr(tc, "PACK_GAIN", 0.0)
+        monkeypatch.setattr(tt, "PACK_GAIN", 0.0)
     else:
         obj, models, _, _ = _intermediate(small)
         dtype, fields = "float32", {"teacher_attn", "teacher_hidden"}
     data = types.SimpleNamespace(train_dataset=small.ds, train_batches=_train(small.ds))
     spe = data.train_batches.steps_per_epoch
     kw = dict(num_steps=2 * spe, token_dtype=dtype)
-    before = tc.build_for_training(models, obj, data, str(tmp_path / "before"), **kw)
+    before = tt.build_for_training(models, obj, data, str(tmp_path / "before"), **kw)
     published, go = threading.Event(), threading.Event()
     publish = tc.fs.publish_dir
 
@@ -293,7 +298,7 @@ def test_a_first_lookup_after_the_pass_before_the_builds_end_reads_every_field(
 
     monkeypatch.setattr(tc.fs, "publish_dir", held)
     order = ts.steps_order(data.train_batches, 2 * spe)
-    stream = ts.StreamingCache(lambda live: tc.build_for_training(
+    stream = ts.StreamingCache(lambda live: tt.build_for_training(
         models, obj, data, str(tmp_path / "beside"), live=live, order=order, **kw), dtype)
     it = _train(small.ds)
     try:

@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 from helpers import run_files
+from jax_tinybert import speed
+from jax_tinybert.config.check import ConfigValueError
+from jax_tinybert.speed import dtypes as speed_dtypes
 from jax_tinybert.train import build, loop as train
+from jax_tinybert.teacher import training as teacher_training
+from jax_tinybert.train import evaluate as train_eval, log as train_log, resume
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +45,7 @@ def test_unknown_values_stop_early(tmp_path, field, value, msg):
     c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
     sec, _, name = field.rpartition(".")
     (c[sec] if sec else c)[name] = value
-    with pytest.raises(train.ConfigValueError, match=msg.replace("[", r"\[")):
+    with pytest.raises(ConfigValueError, match=msg.replace("[", r"\[")):
         train.train_and_evaluate(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w" / "checkpoints")
 
@@ -49,7 +54,7 @@ def test_unknown_key_and_layer_map(tmp_path):
     c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
     with c.unlocked():
         c.train.bogus = 1
-    with pytest.raises(train.ConfigValueError, match=r"unknown field config.train.bogus"):
+    with pytest.raises(ConfigValueError, match=r"unknown field config.train.bogus"):
         train.train_and_evaluate(c, str(tmp_path / "w"))
     c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
     c.student.update(init="random", num_hidden_layers=4, hidden_size=48, intermediate_size=96,
@@ -89,7 +94,7 @@ def test_vocab_mismatch(tmp_path, teacher_dir):
     export_hf(small, params, str(d), tokenizer_dir=teacher_dir)
     c = _synthetic(_cfg("task_distill.py", "sst2_intermediate"), tmp_path)
     c.student.path = str(d)
-    with pytest.raises(train.ConfigValueError, match="vocab_size 1000 != teacher vocab_size 30522"):
+    with pytest.raises(ConfigValueError, match="vocab_size 1000 != teacher vocab_size 30522"):
         train.train_and_evaluate(c, str(tmp_path / "w"))
 
 
@@ -102,7 +107,7 @@ def test_workdir_of_a_different_config(tmp_path):
     train.check_workdir(c, str(w))   # no checkpoint saved yet: the workdir is not owned
     (w / "checkpoints" / "4").mkdir(parents=True)   # a run saved step 4: now it is
     c.optim.learning_rate = 2e-3
-    with pytest.raises(train.ConfigValueError,
+    with pytest.raises(ConfigValueError,
                        match=r"different config \(optim.learning_rate: 0.001 -> 0.002\)"):
         train.check_workdir(c, str(w))
     c.optim.learning_rate = 1e-3
@@ -169,7 +174,7 @@ def test_dev_buckets_are_charged_their_eval_program_only(tmp_path, glue_dir, tea
     assert len(ev.lengths) == 408
     as_train = batching.choose_buckets(
         ev.lengths, 128, c.data.max_buckets, passes=1,
-        compile_cost=batching.compile_cost(build.AUTO_COMPILE_STEPS["cpu"], c.train.batch_size,
+        compile_cost=batching.compile_cost(speed.CPU.bucket_compile_steps, c.train.batch_size,
                                            build.COMPILE_STEPS_LEN))
     assert len(ev.buckets) > len(as_train) and ev.buckets[-1] == 128
     work = lambda b: batching.bucket_cost(ev.lengths, b)   # noqa: E731
@@ -254,13 +259,16 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
 
     # When (the plan, without training): not for two epochs or less; over the size limit 'auto'
     # keeps the live teacher and 'always' refuses with a one-line error.
-    def plan(steps, **teacher_cfg):
+    def plan(steps, backend="cpu", **teacher_cfg):
         c = build.with_defaults(cfg(steps, **teacher_cfg))
-        data = build.build_data(c, str(tmp_path / "plan"), build.resolve_model_path(teacher))
+        w = str(tmp_path / "plan")
+        data = build.build_data(c, w, build.resolve_model_path(teacher))
         models = build.build_models(c, data.num_labels, data.id2label)
         obj = build.build_objective(c, models.student_config, models.teacher_config)
-        return (build.token_cache_plan(c, obj, data, steps, str(tmp_path / "plan")),
-                data.train_batches.steps_per_epoch)
+        c, notes = speed.resolve(c, backend, build.run_facts(c, obj, data, steps,
+                                                             build.make_mesh(c), w))
+        use, why = teacher_training.token_cache_plan(c, obj, data, steps, w)
+        return (use, notes.get("teacher.cache_tokens", why)), data.train_batches.steps_per_epoch
 
     spe = plan(1)[1]
     assert spe == 3, "the comment above and the step counts assume 3 steps an epoch"
@@ -268,14 +276,13 @@ def test_intermediate_teacher_cache_trains_like_the_live_teacher(tmp_path):
                                 "building the cache would not pay back")
     assert plan(2 * spe + 1)[0][0] and plan(spe, cache_tokens="always")[0][0]
     # On an accelerator 'auto' keeps the teacher in the step (faster there); 'always' caches.
-    with mock.patch.object(build.jax, "default_backend", return_value="gpu"):
-        assert plan(7)[0] == (False, "on gpu the teacher's forward in the step is faster than "
-                              "reading its outputs from disk (--config.teacher.cache_tokens="
-                              "always to cache)")
-        assert plan(7, cache_tokens="always")[0][0]
+    assert plan(7, "gpu")[0] == (False, "on gpu the teacher's forward in the step is faster "
+                                 "than reading its outputs from disk (--config.teacher."
+                                 "cache_tokens=always to cache)")
+    assert plan(7, "gpu", cache_tokens="always")[0][0]
     (use, why), _ = plan(7, cache_max_gb=1e-6)
     assert not use and why.endswith("the teacher runs in every step")
-    with pytest.raises(train.ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
+    with pytest.raises(ConfigValueError, match=r"cache_tokens='always': .* need .* GB, "
                        r"over min\(teacher.cache_max_gb=1e-06 GB"):
         plan(6, cache_tokens="always", cache_max_gb=1e-6)
 
@@ -287,7 +294,7 @@ def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypat
     import signal
     import threading
 
-    from jax_tinybert.speed import teacher_stream
+    from jax_tinybert.teacher import stream as teacher_stream
     from jax_tinybert.train.preemption import Preempted
 
     cfg, run = _tiny_intermediate(tmp_path)
@@ -306,7 +313,7 @@ def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypat
                 time.sleep(0.01)
         fill(self, filled, ids)
 
-    log_step = train._TrainLog.step
+    log_step = train_log.TrainLog.step
 
     def step(self, n, *a, **k):
         log_step(self, n, *a, **k)
@@ -314,7 +321,7 @@ def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypat
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(teacher_stream.Live, "fill", slow_fill)
-    monkeypatch.setattr(train._TrainLog, "step", step)
+    monkeypatch.setattr(train_log.TrainLog, "step", step)
     with pytest.raises(Preempted):
         train.train_and_evaluate(cfg(7, cache_dtype="float32"), str(tmp_path / "stopped"))
     # The build was still running when the run stopped, held at the third chunk: the steps
@@ -335,8 +342,7 @@ def test_preempted_while_the_cache_is_built_beside_the_steps(tmp_path, monkeypat
 def test_the_build_beside_the_steps_follows_them_from_the_runs_position(tmp_path, monkeypatch):
     """The order the build follows is read when the run asks for its cache, not when the build
     thread gets to it: by then the steps may have taken their first batch."""
-    from jax_tinybert.teacher import cache as teacher_cache
-    from jax_tinybert.speed import teacher_stream
+    from jax_tinybert.teacher import stream as teacher_stream
 
     cfg, _ = _tiny_intermediate(tmp_path)
     run = build.build_run(build.with_defaults(cfg(7, cache_dtype="float32")),
@@ -351,7 +357,7 @@ def test_the_build_beside_the_steps_follows_them_from_the_runs_position(tmp_path
         orders.append([r.tolist() for _, r in order])
 
     monkeypatch.setattr(teacher_stream, "StreamingCache", Deferred)
-    monkeypatch.setattr(teacher_cache, "build_for_training", capture)
+    monkeypatch.setattr(teacher_training, "build_for_training", capture)
     plan = run.data.train_batches.epoch_plan(0)
     run.ensure_cache(beside=True)
     next(run.data.train_batches)            # the first step takes its batch
@@ -366,7 +372,7 @@ def test_a_prediction_stage_builds_its_logits_cache_beside_the_steps_where_it_is
     before them when it packs its examples (in no step's order). Either way, and with
     'before', the steps train on the same teacher outputs: the same losses, step by step."""
     from jax_tinybert.teacher import cache as teacher_cache
-    from jax_tinybert.speed import teacher_stream
+    from jax_tinybert.teacher import stream as teacher_stream
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from helpers import tiny_run
@@ -393,7 +399,7 @@ def test_a_prediction_stage_builds_its_logits_cache_beside_the_steps_where_it_is
 
     def run(name, pack_gain, **teacher_cfg):
         # PACK_GAIN 0: packing never pays (MRPC's pairs); 1e9: it always does (SST-2).
-        monkeypatch.setattr(teacher_cache, "PACK_GAIN", pack_gain)
+        monkeypatch.setattr(teacher_training, "PACK_GAIN", pack_gain)
         c = _synthetic(_cfg("task_distill.py", "sst2_pred"), tmp_path)
         c.data.synthetic_train, c.data.max_len, c.data.buckets = 64, 32, (16, 32)
         c.teacher.path = c.student.path = teacher
@@ -402,7 +408,7 @@ def test_a_prediction_stage_builds_its_logits_cache_beside_the_steps_where_it_is
         c.export.enabled = False
         streams.clear()
         caplog.clear()
-        with caplog.at_level("INFO", logger=teacher_cache.log.name):
+        with caplog.at_level("INFO", logger=teacher_training.log.name):
             train.train_and_evaluate(c, str(tmp_path / name))
         built = _records(tmp_path / name, "teacher_cache")
         assert len(built) == 1 and built[0]["teacher_cache/rows"] == 64
@@ -455,12 +461,12 @@ def test_eval_warns_when_every_dev_example_gets_one_class(collapsed, capsys):
                       {0: "negative", 1: "positive"}, None)
     eval_fn = lambda params, batch: jax.nn.one_hot(batch["input_ids"][:, 0], 2)
     mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    out = train.evaluate(eval_fn, None, data, mesh)
+    out = train_eval.evaluate(eval_fn, None, data, mesh)
     printed = capsys.readouterr().out
     if collapsed:
         assert out["acc"] == pytest.approx(0.6)
         # SST-2's own label names are "0" and "1": no "class 1 (1)".
-        assert "class 1 (1)" not in train.one_class_warning(1, 5, {0: "0", 1: "1"}, 0.6)
+        assert "class 1 (1)" not in train_eval.one_class_warning(1, 5, {0: "0", 1: "1"}, 0.6)
         assert ("all 5 dev examples were predicted as class 1 (positive), which is 60.00% of "
                 "the dev labels") in printed
     else:
@@ -475,12 +481,12 @@ def _eta_run_lines(monkeypatch, capsys, worker=None):
     from types import SimpleNamespace
 
     t = [0.0]
-    monkeypatch.setattr(train.time, "time", lambda: t[0])
+    monkeypatch.setattr(train_log.time, "time", lambda: t[0])
     run = SimpleNamespace(total_steps=100, config=SimpleNamespace(
         train=SimpleNamespace(batch_size=4, log_every=20)))
     writer = SimpleNamespace(write=lambda *a, **k: None)
     compiler = None if worker is None else SimpleNamespace(quiet_since=lambda: worker(t[0]))
-    log = train._TrainLog(run, writer, start_step=0, compiler=compiler)
+    log = train_log.TrainLog(run, writer, start_step=0, compiler=compiler)
     batch = {"attention_mask": np.ones((4, 8), np.int32)}
     metrics = {"loss": np.float32(0.5), "lr": np.float32(1e-4), "grad_norm": np.float32(1.0)}
     for step in range(1, 101):
@@ -516,7 +522,7 @@ def test_step_eta_waits_for_the_compile_worker(monkeypatch, capsys):
 def test_step_eta_reads_the_last_intervals():
     """Past the first intervals the ETA follows the last WINDOW intervals only: a run that
     slows from 1 s to 3 s a step reads 3 s a step once the window holds only slow steps."""
-    eta = train._StepEta(total_steps=1000)
+    eta = train_log.StepEta(total_steps=1000)
     t = 0.0
     assert eta.at(1, t) is None
     for step in range(10, 210, 10):
@@ -528,68 +534,68 @@ def test_step_eta_reads_the_last_intervals():
 def test_compute_label_says_what_a_16_bit_dtype_computes_in():
     """The start-up line's 'compute:' words: on a CPU a 16-bit config dtype means 16-bit
     products with float32 activations; elsewhere the dtype itself."""
-    assert build.compute_label("bfloat16", "cpu") == "bfloat16 products, float32 activations"
-    assert build.compute_label("float16", "cpu") == "float16 products, float32 activations"
-    assert build.compute_label("bfloat16", "gpu") == "bfloat16"
-    assert build.compute_label("float32", "cpu") == "float32"
+    assert speed_dtypes.compute_label("bfloat16", "cpu") == "bfloat16 products, float32 activations"
+    assert speed_dtypes.compute_label("float16", "cpu") == "float16 products, float32 activations"
+    assert speed_dtypes.compute_label("bfloat16", "gpu") == "bfloat16"
+    assert speed_dtypes.compute_label("float32", "cpu") == "float32"
 
 
 def test_dtype_hint_names_the_faster_setting(tmp_path):
     """The start-up note: float32 on a GPU, or on a CPU with fast bfloat16 products (AMX, or an
     AMD CPU with AVX512-BF16), points to bfloat16; bfloat16 on another CPU to float32; the
     faster setting (or anything on a TPU) prints nothing."""
-    gpu = train.dtype_hint("gpu", ["float32", "bfloat16"], bf16=None)
+    gpu = speed_dtypes.dtype_hint("gpu", ["float32", "bfloat16"], bf16=None)
     assert gpu.startswith("note: float32 compute on a GPU") and \
         "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in gpu
-    cpu = train.dtype_hint("cpu", ["float32", "bfloat16"], bf16=None)
+    cpu = speed_dtypes.dtype_hint("cpu", ["float32", "bfloat16"], bf16=None)
     assert cpu.startswith("note: bfloat16 compute on a CPU without AMX") and \
         "--config.student.dtype=float32 --config.teacher.dtype=float32" in cpu
-    amx = train.dtype_hint("cpu", ["float32", "float32"], bf16="AMX")
+    amx = speed_dtypes.dtype_hint("cpu", ["float32", "float32"], bf16="AMX")
     assert amx.startswith("note: this CPU multiplies bfloat16 fast (AMX)") and \
         "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in amx and \
         "Intel Xeon with AMX" in amx
-    zen = train.dtype_hint("cpu", ["float32"], bf16="AVX512-BF16 on AMD")
+    zen = speed_dtypes.dtype_hint("cpu", ["float32"], bf16="AVX512-BF16 on AMD")
     assert zen.startswith("note: this CPU multiplies bfloat16 fast (AVX512-BF16 on AMD)") and \
         "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16" in zen and \
         "AMD EPYC Zen 4" in zen
     for fast in ("AMX", "AVX512-BF16 on AMD"):
-        assert train.dtype_hint("cpu", ["bfloat16", "bfloat16"], bf16=fast) is None
-    assert train.dtype_hint("cpu", ["float32", "float32"], bf16=None) is None
-    assert train.dtype_hint("gpu", ["bfloat16", "bfloat16"], bf16=None) is None
-    assert train.dtype_hint("gpu", ["bfloat16"], bf16=None) is None   # fine-tuning: no teacher
-    assert train.dtype_hint("tpu", ["float32", "float32"], bf16=None) is None
+        assert speed_dtypes.dtype_hint("cpu", ["bfloat16", "bfloat16"], bf16=fast) is None
+    assert speed_dtypes.dtype_hint("cpu", ["float32", "float32"], bf16=None) is None
+    assert speed_dtypes.dtype_hint("gpu", ["bfloat16", "bfloat16"], bf16=None) is None
+    assert speed_dtypes.dtype_hint("gpu", ["bfloat16"], bf16=None) is None   # fine-tuning: no teacher
+    assert speed_dtypes.dtype_hint("tpu", ["float32", "float32"], bf16=None) is None
     for fast in ("AMX", "AVX512-BF16 on AMD", None):   # no float16 product kernel on any CPU
-        f16 = train.dtype_hint("cpu", ["float16", "float16"], bf16=fast)
+        f16 = speed_dtypes.dtype_hint("cpu", ["float16", "float16"], bf16=fast)
         assert f16.startswith("note: float16 compute on a CPU") and "slower than float32" in f16
-    assert train.dtype_hint("gpu", ["float16", "float16"], bf16=None) is None
+    assert speed_dtypes.dtype_hint("gpu", ["float16", "float16"], bf16=None) is None
 
 
 def test_a_process_wide_note_prints_once(capsys):
     """The demo's four stages run in one process: the dtype note is said at the first only."""
-    train.print_once("note: test line A")
-    train.print_once("note: test line B")
-    train.print_once("note: test line A")
+    train_log.print_once("note: test line A")
+    train_log.print_once("note: test line B")
+    train_log.print_once("note: test line A")
     assert capsys.readouterr().out == "note: test line A\nnote: test line B\n"
 
 
 def test_a_large_train_set_is_fingerprinted_from_runs_of_its_tokens(monkeypatch):
     """Above FULL_FINGERPRINT_TOKENS the train data's digest reads 256 evenly spaced runs of
     tokens (plus all offsets and labels): a change inside a run shows, one between runs not."""
-    from jax_tinybert.teacher.cache import arrays_fingerprint
+    from jax_tinybert.teacher.fingerprint import arrays_fingerprint
 
-    monkeypatch.setattr(train, "FULL_FINGERPRINT_TOKENS", 1024)
+    monkeypatch.setattr(resume, "FULL_FINGERPRINT_TOKENS", 1024)
     ids = np.arange(10_000, dtype=np.int32)
-    s = train._token_sample(ids)
+    s = resume._token_sample(ids)
     # 256 runs of 4 tokens starting at round-down(k * 9,996 / 255): 0, 39, ... 9,996.
     assert len(s) == 1024 and list(s[:8]) == [0, 1, 2, 3, 39, 40, 41, 42] and s[-1] == 9_999
-    fp = arrays_fingerprint(train._token_sample(ids))
+    fp = arrays_fingerprint(resume._token_sample(ids))
     inside, between = ids.copy(), ids.copy()
     inside[40] += 1
     between[20] += 1
-    assert arrays_fingerprint(train._token_sample(inside)) != fp
-    assert arrays_fingerprint(train._token_sample(between)) == fp
+    assert arrays_fingerprint(resume._token_sample(inside)) != fp
+    assert arrays_fingerprint(resume._token_sample(between)) == fp
     small = np.arange(100, dtype=np.int32)
-    assert train._token_sample(small) is small and train._token_sample(None) is None
+    assert resume._token_sample(small) is small and resume._token_sample(None) is None
 
 
 # --------------------------------------------------------------------------- checkpoint cadence
@@ -648,7 +654,7 @@ def test_a_run_failing_after_its_last_step_deletes_its_token_cache_and_the_rerun
         time.sleep(0.5)
         return rmtree(path, *a, **k)
 
-    monkeypatch.setattr(train, "export_hf", export_hf)
+    monkeypatch.setattr(train_eval, "export_hf", export_hf)
     monkeypatch.setattr(train.fs, "rmtree", slow_rmtree)
     with pytest.raises(OSError, match="No space left"):
         train.train_and_evaluate(c, str(wd))

@@ -163,8 +163,9 @@ def main(argv):
                         "loads the previous stage's export from it); run the stages one by one "
                         "with gs:// workdirs, or pass a local folder")
     logging.getLogger("jax_tinybert").info("allocator: %s", malloc.allocator())
-    if jax.default_backend() == "gpu":
-        logging.getLogger("jax_tinybert").info(xla_flags.gpu_note(os.environ.get("XLA_FLAGS", "")))
+    note = xla_flags.backend_note(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+    if note:
+        logging.getLogger("jax_tinybert").info(note)
     try:
         if config.stage == "demo":
             pipeline.run_demo(config, FLAGS.workdir)

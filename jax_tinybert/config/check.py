@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 
 from jax_tinybert.config import schema as config_base
+from jax_tinybert import speed
 from jax_tinybert import fs, optim
 from jax_tinybert.distill import layer_maps, losses, objectives
 from jax_tinybert.data import glue
@@ -25,9 +26,9 @@ from jax_tinybert.model.hf import WEIGHT_FILES, resolve_path
 # Fields that do not change the trained model: a run may resume with other values.
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
                     "train.max_to_keep", "train.eval_batch_size", "export.enabled",
-                    "data.cache_dir", "train.compile_workers", "train.checkpoint_seconds",
-                    # draws the dropout masks otherwise, as auto does on another backend
-                    "train.chunk_tokens"}
+                    "data.cache_dir",
+                    # how fast, not what: a workdir made on one backend resumes on another
+                    *speed.SPEED_FIELDS}
 # Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may
 # change them (to extend a run), with a warning naming the schedule change.
 SCHEDULE_FIELDS = ("train.num_steps", "train.num_epochs")
@@ -553,8 +554,9 @@ def check_workdir(config, workdir: str) -> None:
     if fs.exists(path) and owned_by_a_run(workdir):
         with fs.open_file(path) as fh:
             old = json.load(fh)
-        old_resolved = old.get("resolved") or {
-            k: v for k, v in old.get("config", {}).items() if k not in RESUMABLE_CHANGES}
+        old_resolved = old.get("resolved") or old.get("config", {})
+        # A record of an older version may hold fields that no longer decide the result.
+        old_resolved = {k: v for k, v in old_resolved.items() if k not in RESUMABLE_CHANGES}
         if old.get("fingerprint") != fp:
             # A field the record lacks (added since it was written) had its default then; an
             # objective field's default is the named objective's own (base_config says None).
@@ -580,3 +582,15 @@ def check_workdir(config, workdir: str) -> None:
         fs.makedirs(workdir)
         fs.write_json_atomic(path, {"version": 2, "fingerprint": fp, "config": _flat(config),
                                     "resolved": resolved}, indent=1, default=str)
+
+
+def record_speed(workdir: str, values: Dict[str, Any]) -> None:
+    """Adds the run's concrete speed settings (speed.resolve) to workdir/config.json, which
+    `check_workdir` wrote: what auto became on this backend, for the reader of a run."""
+    path = fs.join(workdir, CONFIG_RECORD)
+    if jax.process_index() != 0 or not fs.exists(path):
+        return
+    with fs.open_file(path) as fh:
+        record = json.load(fh)
+    if record.get("speed") != values:
+        fs.write_json_atomic(path, dict(record, speed=values), indent=1, default=str)

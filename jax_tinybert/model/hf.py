@@ -142,7 +142,7 @@ def _read_torch_bin(path: str) -> Dict[str, np.ndarray]:
         raise ImportError(f"{path}: reading pytorch_model.bin needs torch (pip install torch), "
                           "or convert the folder to model.safetensors") from e
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = torch.load(path, map_location=lambda storage, _: storage, weights_only=True)
     except Exception as e:
         raise _unreadable(path, e) from e
     return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in sd.items()}

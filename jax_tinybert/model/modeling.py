@@ -8,8 +8,6 @@ mask, softmax and dropout, which HF's `output_attentions` (post-softmax) cannot 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from typing import Any, Iterable, Optional, Tuple, Union
 
 import flax
@@ -19,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tinybert.speed.dropout import Dropout
-from jax_tinybert.errors import UserError
-from jax_tinybert.fs import write_json_atomic
+from jax_tinybert.model.config import ACTIVATIONS, BertConfig, ConfigError  # noqa: F401
 
 Array = jax.Array
 Dtype = Any
@@ -37,7 +34,7 @@ def gelu(x: Array) -> Array:
     return 0.5 * x * (1.0 + jax.lax.erf(x * 0.7071067811865476))
 
 
-# HF activation names we implement exactly. "gelu" in HF BERT is the exact erf GELU.
+# config.ACTIVATIONS, computed.
 _ACTIVATIONS = {
     "gelu": gelu,
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
@@ -47,129 +44,7 @@ _ACTIVATIONS = {
     "swish": jax.nn.silu,
     "tanh": jnp.tanh,
 }
-
-
-class ConfigError(UserError, ValueError):
-    """A model config field has a value the model cannot use."""
-
-
-@dataclasses.dataclass
-class BertConfig:
-    """Hyper-parameters of a BERT model; round-trips Hugging Face's `config.json`.
-
-    Unknown keys of an HF config are kept in `extra` and written back unchanged.
-    """
-
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    initializer_range: float = 0.02
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
-    num_labels: int = 2
-    id2label: Optional[dict] = None
-    problem_type: Optional[str] = None
-    extra: dict = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self, source: str = "config") -> None:
-        """Raises ConfigError naming the field and the expected value."""
-        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                  "intermediate_size", "max_position_embeddings", "type_vocab_size"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{source}: field '{f}' must be a positive integer, got {v!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"{source}: field 'hidden_size' ({self.hidden_size}) must be divisible by "
-                f"'num_attention_heads' ({self.num_attention_heads}); e.g. use "
-                f"{self.num_attention_heads * max(1, self.hidden_size // self.num_attention_heads)}")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ConfigError(
-                f"{source}: field 'hidden_act' is {self.hidden_act!r}; expected one of "
-                f"{sorted(_ACTIVATIONS)}")
-        if not isinstance(self.num_labels, int) or self.num_labels < 1:
-            raise ConfigError(f"{source}: field 'num_labels' must be >= 1 (1 = regression), "
-                              f"got {self.num_labels!r}")
-        for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            v = getattr(self, f)
-            if not 0.0 <= v < 1.0:
-                raise ConfigError(f"{source}: field '{f}' must be in [0, 1), got {v!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def is_regression(self) -> bool:
-        return self.num_labels == 1
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "BertConfig":
-        d = dict(d)
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kw = {k: d.pop(k) for k in list(d) if k in names}
-        if "id2label" in kw and kw["id2label"] is not None:
-            kw["id2label"] = {int(k): v for k, v in kw["id2label"].items()}
-            kw.setdefault("num_labels", len(kw["id2label"]))
-            if "num_labels" not in d and len(kw["id2label"]) != kw["num_labels"]:
-                kw["num_labels"] = len(kw["id2label"])
-        d.pop("label2id", None)
-        model_type = d.get("model_type", "bert")
-        if model_type not in ("bert",):
-            raise ConfigError(f"{source}: field 'model_type' is {model_type!r}; jax_tinybert "
-                              "loads BERT checkpoints only (model_type 'bert')")
-        obj = cls.__new__(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in kw:
-                setattr(obj, f.name, kw[f.name])
-            elif f.default is not dataclasses.MISSING:
-                setattr(obj, f.name, f.default)
-            else:
-                setattr(obj, f.name, f.default_factory())
-        obj.extra = d
-        obj.validate(source)
-        return obj
-
-    @classmethod
-    def from_json_file(cls, path: str) -> "BertConfig":
-        with open(path) as fh:
-            try:
-                d = json.load(fh)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(d, source=path)
-
-    def to_dict(self) -> dict:
-        d = dict(self.extra)
-        for f in dataclasses.fields(self):
-            if f.name == "extra":
-                continue
-            d[f.name] = getattr(self, f.name)
-        d["model_type"] = "bert"
-        if self.id2label is None:
-            d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
-        else:
-            d["id2label"] = {str(k): v for k, v in self.id2label.items()}
-        d["label2id"] = {v: int(k) for k, v in d["id2label"].items()}
-        if d.get("problem_type") is None:
-            d.pop("problem_type", None)
-        return d
-
-    def to_json_file(self, path: str) -> None:
-        write_json_atomic(path, self.to_dict(), indent=2, sort_keys=True)
-
-    def replace(self, **kw) -> "BertConfig":
-        return dataclasses.replace(self, **kw)
+assert set(_ACTIVATIONS) == set(ACTIVATIONS)
 
 
 @flax.struct.dataclass
@@ -203,7 +78,7 @@ def _dense_init(config: BertConfig):
 
 def matmul_rows(x: Array, kernel: Array) -> Array:
     """x [..., in] @ kernel [in, out] -> [..., out], computed as one 2-D product on the rows
-    [N, in] (see _FlatDense for why)."""
+    [N, in] (see Products.dense for why)."""
     y = x.reshape((-1, x.shape[-1])) @ kernel
     return y.reshape(x.shape[:-1] + (kernel.shape[1],))
 
@@ -217,189 +92,62 @@ def query_rows(x: Array, cls_positions: Optional[Array]) -> Array:
     return jnp.take_along_axis(x, idx, axis=1)
 
 
-def is_half(dtype: Optional[Dtype]) -> bool:
-    """True for a 16-bit float compute dtype (bfloat16, float16)."""
-    return dtype is not None and jnp.dtype(dtype).itemsize == 2
+@dataclasses.dataclass(frozen=True)
+class Products:
+    """How the model's products are computed: dense layers x [..., in] @ kernel [in, out] +
+    bias -> [..., out], attention's two batched products, and the heads' layout. Plain JAX
+    here, in the compute dtype; speed/dots.py gives a CPU's 16-bit ones (speed.dtypes)."""
 
-
-def _sum32(eq: str, a: Array, b: Array) -> Array:
-    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def half_einsum(eq: str, a: Array, b: Array, dtype: Dtype, out_dtype: Dtype) -> Array:
-    """einsum(eq, a, b) with 16-bit operands: a and b rounded to `dtype` (bfloat16 / float16),
-    the products summed in float32, the result returned in `out_dtype` (`dtype`, or float32 to
-    keep float32 activations). eq: two operands, plain letters, every letter of an operand also
-    in the other operand or the output (true of a matmul and of attention's batched products).
-
-    Why not a plain bfloat16 einsum: XLA's CPU backend has no bfloat16-output dot, so it upcasts
-    both operands and runs a float32 one, while a bfloat16 x bfloat16 -> float32 dot runs on AMX
-    (4096x384 @ 384x1536: ~1850 against ~330 GFLOP/s float32 on an Intel Xeon with AMX) or on
-    AVX512-BF16 (4096x312 @ 312x1200: ~350 against ~175 on an AMD EPYC Zen 4). On a GPU
-    the value is the same: its bfloat16 dots sum in float32 too. The gradients are the same two
-    kinds of product, taken from the cotangent rounded to `dtype`, and come back in each
-    operand's own dtype: a float32 kernel gets its gradient summed and kept in float32.
-    """
-    return _sum32(eq, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
-
-
-def _half_einsum_fwd(eq, a, b, dtype, out_dtype):
-    return half_einsum(eq, a, b, dtype, out_dtype), (a, b)
-
-
-def _half_einsum_bwd(eq, dtype, out_dtype, res, g):
-    a, b = res
-    ins, out = eq.split("->")
-    ia, ib = ins.split(",")
-    for own, other in ((ia, ib), (ib, ia)):
-        if set(own) - set(other) - set(out):
-            raise ValueError(f"half_einsum {eq!r}: a letter of {own!r} is summed within its own "
-                             "operand; its gradient is not a product of the other two")
-    g = g.astype(dtype)
-    ga = _sum32(f"{out},{ib}->{ia}", g, b.astype(dtype)).astype(a.dtype)
-    if _contracts_rows(ia, out, ib):   # a dense kernel's gradient, or k's and v's
-        gb = _rows_product_of_columns(g, a.astype(dtype), out, ia, ib)
-    else:
-        gb = _sum32(f"{ia},{out}->{ib}", a.astype(dtype), g)
-    return ga, gb.astype(b.dtype)
-
-
-def _contracts_rows(x: str, y: str, out: str) -> bool:
-    """Whether einsum x,y->out is a (batched) product over the rows of both operands:
-    [..., Q, X] and [..., Q, Y] -> [..., X, Y] or [..., Y, X] (the second gradient of a dense
-    layer, x.T @ g, and of the attention products: k from the scores', v from the context's)."""
-    return (len(x) == len(y) == len(out) >= 2 and x[:-2] == y[:-2] == out[:-2]
-            and x[-2] == y[-2] and x[-2] not in out and {x[-1], y[-1]} == set(out[-2:])
-            and x[-1] != y[-1])
-
-
-def _rows_product_of_columns(g: Array, a: Array, g_eq: str, a_eq: str, out: str) -> Array:
-    """einsum(f"{g_eq},{a_eq}->{out}", g, a) in float32, for a product over the rows of both
-    16-bit operands (_contracts_rows). As written, the left operand of the library dot would be
-    read column by column, which XLA's CPU library dot (YNNPACK) refuses: it upcast these to a
-    float32 Eigen batched dot. One operand, or the other and the result, is first transposed as
-    rows (_swap_minor), whichever moves fewer elements."""
-    lhs, rhs = (g, a) if g_eq[-1] == out[-2] else (a, g)   # lhs: the output's rows
-    Q, X, Y = lhs.shape[-2], lhs.shape[-1], rhs.shape[-1]
-    if Q * X <= Q * Y + X * Y:
-        return jnp.matmul(_swap_minor(lhs), rhs, preferred_element_type=jnp.float32)
-    return _swap_minor(jnp.matmul(_swap_minor(rhs), lhs, preferred_element_type=jnp.float32))
-
-
-def _rows_split(n: int) -> int:
-    """The factor (8, 4, 2 or 1) a transpose splits an axis of n rows by (see _swap_minor)."""
-    return next(d for d in (8, 4, 2, 1) if n % d == 0)
-
-
-def _swap_minor(x: Array) -> Array:
-    """x [..., M, N] -> [..., N, M], as an array in row-major order.
-
-    XLA's CPU backend gives a plain transpose a column-major layout instead of moving data, and
-    its library dot (YNNPACK) takes row-major operands only, so a bfloat16 kernel gradient
-    x.T @ g was upcast to a float32 Eigen dot (~270 against ~860 GFLOP/s for [4096, 384] x
-    [4096, 1536] on an Intel Xeon with AMX, transpose included). Going through one more axis
-    ([M/d, d, N] -> [N, M/d, d]) makes XLA write the transposed rows."""
-    *lead, m, n = x.shape
-    d = _rows_split(m)
-    k = len(lead)
-    y = x.reshape(*lead, m // d, d, n).transpose(*range(k), k + 2, k, k + 1)
-    return y.reshape(*lead, n, m)
-
-
-half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
-
-
-def _heads_first(x: Array, heads: int) -> Array:
-    """x [B, T, H*d] -> [B, H, T, d] as an array in row-major order (see _swap_minor): a
-    plain transpose is a layout, {3,1,2,0}, and the library dot takes no 16-bit operand in it.
-    T is split in two on the way, which makes XLA write the rows."""
-    B, T, D = x.shape
-    e = _rows_split(T)
-    y = x.reshape(B, T // e, e, heads, D // heads).transpose(0, 3, 1, 2, 4)
-    return y.reshape(B, heads, T, D // heads)
-
-
-def _heads_last(x: Array) -> Array:
-    """x [B, H, T, d] -> [B, T, H*d] as an array in row-major order (_heads_first's inverse):
-    the context's cotangent then reaches its batched gradient products as rows too."""
-    B, H, T, d = x.shape
-    e = _rows_split(T)
-    return x.reshape(B, H, T // e, e, d).transpose(0, 2, 3, 1, 4).reshape(B, T, H * d)
-
-
-def rows_product(x: Array, kernel: Array, dtype: Dtype, bias: Optional[Array] = None,
-                 dot_dtype: Optional[Dtype] = None) -> Array:
-    """x [..., in] @ kernel [in, out] (+ bias [out]) -> [..., out] in `dtype`, as one 2-D
-    product on the rows. A 16-bit `dot_dtype` goes through half_einsum (the kernel may stay
-    float32: its gradient then does too); otherwise matmul_rows in `dtype`."""
-    if not is_half(dot_dtype):
-        y = matmul_rows(x, kernel.astype(dtype))
+    def dense(self, x: Array, kernel: Array, bias: Optional[Array], dtype: Dtype) -> Array:
+        # One 2-D product on the rows [N, in]: XLA's CPU backend turned the weight gradient of
+        # a 3-D dot_general into transposed copies and a one-core dot (FFN 1.6-2x slower).
+        y = matmul_rows(x.astype(dtype), kernel.astype(dtype))
         return y if bias is None else y + bias.astype(dtype)
-    y = half_einsum("nk,km->nm", x.reshape((-1, x.shape[-1])), kernel, dot_dtype, dtype)
-    if bias is not None:
-        # Added to the 2-D rows: its gradient is then a sum over one axis, which XLA's CPU
-        # backend fuses; over [B, T] of a bfloat16 cotangent it became a convert and a
-        # reduce-window, ~25% of a fine-tuning step.
-        y = y + bias.astype(dtype)
-    return y.reshape(x.shape[:-1] + (kernel.shape[1],))
+
+    def einsum(self, eq: str, a: Array, b: Array, dtype: Dtype) -> Array:
+        return jnp.einsum(eq, a, b)
+
+    def split_heads(self, x: Array, heads: int) -> Array:
+        """[B, T, H*d] -> [B, H, T, d]."""
+        B, T, D = x.shape
+        return x.reshape(B, T, heads, D // heads).transpose(0, 2, 1, 3)
+
+    def merge_heads(self, x: Array) -> Array:
+        """[B, H, T, d] -> [B, T, H*d]."""
+        B, H, T, d = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(B, T, H * d)
 
 
-class _FlatDense(nn.Dense):
-    """nn.Dense (same params, init and values) applied to [..., in] as one 2-D product
-    [N, in] x [in, out]. XLA's CPU backend turns the weight gradient of a 3-D `dot_general`
-    ([B, T, in] contracted over B and T) into transposed copies and a single-threaded dot;
-    the 2-D form's backward runs as plain matrix products (FFN fwd+bwd at B 32, T 64:
-    1.6-2x faster on CPU, identical results)."""
-
-    def __call__(self, inputs):
-        lead = inputs.shape[:-1]
-        if len(lead) <= 1:
-            return super().__call__(inputs)
-        y = super().__call__(inputs.reshape((-1, inputs.shape[-1])))
-        return y.reshape(lead + (self.features,))
+PLAIN = Products()
 
 
 class _BertModule(nn.Module):
     """What every BERT sub-module shares: its config, compute dtype, parameter dtype and
-    product dtype, and the Dense / LayerNorm layers built from them (HF's init and epsilon).
-
-    `dot_dtype` (None: plain products in `dtype`) runs the dense and attention products
-    through half_einsum with operands in that 16-bit dtype. bfloat16 products with float32
-    activations (dtype float32, dot_dtype bfloat16; build.compute_dtypes) is the fast 16-bit
-    setting on a CPU: its products run on AMX or AMD's AVX512-BF16, while its element-wise
-    work, which has no bfloat16 arithmetic there, stays in float32 instead of converting at
-    every op. A GPU or TPU keeps dtype bfloat16 with plain products (their libraries take
-    any layout).
-    """
+    products (None: `PLAIN`; a CPU's 16-bit ones come from speed/dots.py), and the Dense /
+    LayerNorm layers built from them (HF's parameter names, init and epsilon)."""
 
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
-    dot_dtype: Optional[Dtype] = None
+    products: Optional[Any] = None
 
     @property
-    def _dots(self) -> Optional[Dtype]:
-        """The products' 16-bit operand dtype, or None for plain products in `dtype`."""
-        return self.dot_dtype if is_half(self.dot_dtype) else None
+    def _ops(self):
+        return PLAIN if self.products is None else self.products
 
     def _shared(self) -> dict:
         """The fields a sub-module inherits from its parent."""
         return dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype,
-                    dot_dtype=self.dot_dtype)
+                    products=self.products)
 
     def _dense(self, features: int, name: str):
-        """x [..., in] -> [..., features], an `nn.Dense` named `name` (HF's params): through
-        rows_product with 16-bit products, else _FlatDense."""
-        if self._dots is not None:
-            params = _DenseParams(**self._shared(), features=features, name=name)
+        """x [..., in] -> [..., features], with the params of an `nn.Dense` named `name`."""
+        params = _DenseParams(**self._shared(), features=features, name=name)
 
-            def dense(x):
-                kernel, bias = params(x.shape[-1])
-                return rows_product(x, kernel, self.dtype, bias, self._dots)
-            return dense
-        return _FlatDense(features, kernel_init=_dense_init(self.config), dtype=self.dtype,
-                          param_dtype=self.param_dtype, name=name)
+        def dense(x):
+            kernel, bias = params(x.shape[-1])
+            return self._ops.dense(x, kernel, bias, self.dtype)
+        return dense
 
     def _layer_norm(self, name: str = "LayerNorm") -> nn.LayerNorm:
         return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype,
@@ -474,52 +222,44 @@ class BertSelfAttention(_BertModule):
         # "model"-axis sharding of their output dim (sharding.py) a sharding of the stack.
         kernels, biases = zip(*(_DenseParams(**self._shared(), features=c.hidden_size, name=n)(D)
                                 for n in ("query", "key", "value")))
-        # Heads before tokens ([B, H, T, d]): the batched attention products then run 1.5-2x
-        # faster on CPU (the forward's; the backward's are as fast either way), at the price of
-        # transposed copies of q, k, v and the context ([B, T, D] each).
-        split = lambda x: x.reshape(B, -1, c.num_attention_heads, c.head_dim).transpose(0, 2, 1, 3)
-        if self._dots is not None:
-            split = lambda x: _heads_first(x, c.num_attention_heads)  # noqa: E731
+        ops, dtype, heads = self._ops, self.dtype, c.num_attention_heads
         # cls_only: keys and values still come from every row, the query from [CLS] only, so
         # the stacked product is of the key and value kernels alone.
         every_row = slice(1 if cls_only else 0, 3)
-        # The kernels stay in their dtype: rows_product casts them (see half_einsum).
-        h, bias = nn.dtypes.promote_dtype(h, jnp.stack(biases[every_row]), dtype=self.dtype)
+        # The kernels stay in their dtype: the products cast them.
+        h, bias = nn.dtypes.promote_dtype(h, jnp.stack(biases[every_row]), dtype=dtype)
         kernel = jnp.stack(kernels[every_row], axis=1)
         n = kernel.shape[1]
-        # As one 2-D product (see _FlatDense): [B*T, D] x [D, n*D]. Keeping the kernel's
-        # middle axis ([B*T, D] x [D, n, D]) was 1-6% slower on CPU; under a "model" mesh
-        # axis the reshape costs a reshard of this layer's [D, n*D] kernel per step.
-        dots = self._dots
-        proj = rows_product(h, kernel.reshape(D, n * D), self.dtype, bias.reshape(n * D),
-                            dots).reshape(B, T, n, D)
-        heads = [split(proj[:, :, i]) for i in range(n)]
+        # As one 2-D product [B*T, D] x [D, n*D]. Keeping the kernel's middle axis was 1-6%
+        # slower on CPU; under a "model" mesh axis the reshape reshards this layer's kernel.
+        proj = ops.dense(h, kernel.reshape(D, n * D), bias.reshape(n * D), dtype)
+        proj = proj.reshape(B, T, n, D)
+        # Heads before tokens ([B, H, T, d]): the batched products run 1.5-2x faster on CPU.
+        qkv = [ops.split_heads(proj[:, :, i], heads) for i in range(n)]
         if cls_only:
-            bq = biases[0].astype(self.dtype)
-            q = rows_product(query_rows(h, cls_positions), kernels[0], self.dtype, bq, dots)
-            q, (k, v) = split(q), heads
+            q = ops.dense(query_rows(h, cls_positions), kernels[0], biases[0], dtype)
+            q, (k, v) = ops.split_heads(q, heads), qkv
             if mask_bias.shape[2] > 1:   # a per-query mask: the queries' rows of it
                 mask_bias = jnp.swapaxes(query_rows(jnp.swapaxes(mask_bias, 1, 2),
                                                     cls_positions), 1, 2)
         else:
-            q, k, v = heads
+            q, k, v = qkv
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
-        dtype = self.dtype
-        product = ((lambda eq, a, b: half_einsum(eq, a, b, dots, dtype)) if dots is not None
-                   else jnp.einsum)
+
+        def product(eq, a, b):
+            return ops.einsum(eq, a, b, dtype)
+
         logits = product("bhqd,bhkd->bhqk", q, k)
         # Softmax in float32 even under bf16 compute: the -1e9 style mask and exp need the range.
         scores = logits.astype(jnp.float32) + mask_bias
         if not deterministic and c.attention_probs_dropout_prob > 0:
             probs = jax.nn.softmax(scores, axis=-1)
             probs = Dropout(rate=c.attention_probs_dropout_prob)(probs, deterministic=False)
-            ctx = product("bhqk,bhkd->bhqd", probs.astype(self.dtype), v)
+            ctx = product("bhqk,bhkd->bhqd", probs.astype(dtype), v)
         else:
-            ctx = _softmax_product(scores, v, product, self.dtype)
-        if dots is not None:
-            return _heads_last(ctx), logits
-        return ctx.transpose(0, 2, 1, 3).reshape(B, q.shape[2], c.hidden_size), logits
+            ctx = _softmax_product(scores, v, product, dtype)
+        return ops.merge_heads(ctx), logits
 
 
 class _ResidualOutput(_BertModule):

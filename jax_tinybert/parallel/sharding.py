@@ -53,7 +53,7 @@ def maybe_initialize_distributed(coordinator: Optional[str] = None,
     process_id = process_id if process_id is not None else _env_int("JTB_PROCESS_ID")
     if os.environ.get("JTB_CPU_DEVICES") or coordinator:
         # CPU collectives across processes need gloo (XLA has no other CPU backend for them). A config flag only
-        # (harmless on GPU/TPU): asking for jax.default_backend() here would start the backend,
+        # (harmless on GPU/TPU): asking JAX for its backend here would start the backend,
         # after which jax.distributed.initialize refuses to run.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = {}

@@ -9,7 +9,7 @@ while the main thread trains cost the run ~2 s less each (benchmarks/RESULTS.md#
 `Compiler()` owns the worker (one thread: programs compile one at a time, in the order they
 were submitted). `Compiler(workers=N)` compiles N at a time: on a GPU host with cores to spare
 a second bucket's program otherwise stalls the shuffled epoch that meets it a few steps in (an
-SST-2 intermediate epoch on an H200 spent 14 s of its 55 s waiting for it); `auto_workers` picks
+SST-2 intermediate epoch on an H200 spent 14 s of its 55 s waiting for it); speed.resolve picks
 1 on a CPU backend, where the cores train. `compiler.wrap(jitted)` gives an `Ahead`, the jitted
 function wrapped: `submit(*args)` queues `jitted.lower(*args).compile()` (the very function that trains, as
 MaxText's train_compile does; args may be ShapeDtypeStructs with shardings), and a call runs
@@ -45,16 +45,6 @@ def signature(batch: Any) -> tuple:
     leaves, tree = jax.tree_util.tree_flatten(batch)
     return (tree,) + tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
                            for x in leaves)
-
-
-def auto_workers(backend: str, cpus: Optional[int]) -> int:
-    """Compile threads for a run on `backend` with `cpus` host cores: 1 on CPU (the cores
-    train, and two XLA compiles side by side on 2 cores each ran ~2x slower); on an
-    accelerator a thread per 4 host cores, at most 4 (a run has a few programs: its buckets'
-    steps, an eval step, an update step)."""
-    if backend == "cpu" or not cpus:
-        return 1
-    return max(1, min(4, cpus // 4))
 
 
 class Compiler:

@@ -99,3 +99,8 @@ def gpu_note(flags: str) -> str:
                 "to 15% faster at batch 256)")
     return ("XLA GPU: autotuned GEMMs (XLA's defaults or your XLA_FLAGS): each program can take "
             f"~2 min to compile; unset {AUTOTUNE_ENV} for the fast-compile flags")
+
+
+def backend_note(backend: str, flags: str):
+    """The start-up line about XLA's compile mode on `backend` (a GPU's: `gpu_note`), or None."""
+    return gpu_note(flags) if backend == "gpu" else None

@@ -28,24 +28,24 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
 import json
 import logging
 import os
 import shutil
 import zlib
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence,
-                    Tuple, Union)
+from typing import (Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tinybert import fs
+from jax_tinybert import fs, speed
 from jax_tinybert.model import modeling
 from jax_tinybert import flops as work_lib
-from jax_tinybert.data import batching, packing, tokenize
+from jax_tinybert.data import batching, packing
 from jax_tinybert.progress import Progress
+from jax_tinybert.teacher.fingerprint import _crc32, _normalise
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +54,8 @@ META = "meta.json"
 FILLED = "filled.npy"
 TOKEN_INDEX = "token_index.npy"
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
-# How many teacher forwards a cache build runs at once on CPU. XLA's CPU backend runs each
-# attention product (a batched dot) on one core; a second forward in another thread fills the
-# idle core (MiniLM-L6, batch 64, 2-core Xeon: 1.05-1.11x rows/s at T 16-128). Accelerators
-# run the forwards in turn, as before.
-FORWARDS_IN_FLIGHT = 2
-# Tokens per teacher forward of a cache build on CPU (rows x length). At long lengths XLA's CPU
-# forward runs more rows/s on fewer rows (MiniLM-L6, 2-core Xeon, two forwards in flight, rows/s
-# at 8 / 16 / 64 rows: T 128 96 / 93 / 66, T 64 210 / 205 / 168; at T 16, 64 rows are best),
-# so a build splits each batch into chunks of about this many tokens.
-FORWARD_TOKENS = 1024
-# Examples are packed several to a row (data/packing.py) for a forward that reads one output per
-# example when that forwards at most this share of the bucketed pass's cost (`packing_plan`).
-PACK_GAIN = 0.9
+# How many forwards a cache build runs at once, and their size in tokens: speed.profile's
+# forwards_in_flight and forward_tokens (two of ~1,024 tokens on a CPU, one whole batch elsewhere).
 # A row of T tokens costs T + T^2 / PACK_ATTENTION_LEN (batching.bucket_cost: a token's
 # attention over the row). Measured on the teacher's forward (MiniLM-L6, SST-2, 2-core Xeon): a token in
 # a packed row of 64 cost 1.07x one of the bucketed pass (mean bucket ~17), i.e. ~600; the
@@ -76,57 +65,6 @@ PACK_ATTENTION_LEN = 512
 
 class CacheError(ValueError):
     """A cache folder that cannot be used (missing, truncated, corrupt, or built from other inputs)."""
-
-
-# ----------------------------------------------------------------------------- fingerprints
-
-def params_fingerprint(params) -> str:
-    """sha256 over every leaf's path, dtype, shape and bytes (hex, 16 chars)."""
-    h = hashlib.sha256()
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    for path, x in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
-        a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
-        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}".encode())
-        h.update(a.tobytes())
-    return h.hexdigest()[:16]
-
-
-def arrays_fingerprint(*arrays) -> str:
-    """sha256 of numpy arrays' dtype, shape and bytes (e.g. a dataset's ids and offsets)."""
-    h = hashlib.sha256()
-    for a in arrays:
-        if a is None:
-            h.update(b"None")
-            continue
-        a = np.asarray(a)
-        h.update(f"{a.dtype}|{a.shape}".encode())
-        flat = a.reshape(-1)
-        step = 1 << 24
-        for i in range(0, flat.size, step):  # chunks: memmapped corpora need not fit in memory
-            h.update(np.ascontiguousarray(flat[i:i + step]).tobytes())
-    return h.hexdigest()[:16]
-
-
-def dataset_fingerprint(dataset) -> str:
-    """Fingerprint of an `EncodedDataset`-like object (token ids, segments, offsets)."""
-    parts = [getattr(dataset, k, None) for k in ("input_ids", "token_type_ids", "offsets")]
-    if all(p is None for p in parts):
-        raise TypeError(f"dataset_fingerprint: {type(dataset).__name__} has no input_ids/"
-                        "token_type_ids/offsets; pass your own data fingerprint")
-    return arrays_fingerprint(*parts)
-
-
-def _normalise(fp: Mapping[str, Any]) -> dict:
-    """JSON round trip so tuples/lists and numpy scalars compare equal to what meta.json holds."""
-    return json.loads(json.dumps(dict(fp), sort_keys=True, default=str))
-
-
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 # ----------------------------------------------------------------------------- reading
@@ -418,24 +356,11 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                 filled[ids[keep]] = True
             prog.update(int(keep.sum()), work=work)
 
-        def rows():
-            for batch in batches:
-                ids = np.asarray(batch["example_id"], np.int64)
-                keep = ids >= 0
-                if "valid" in batch:
-                    keep &= np.asarray(batch["valid"]) > 0
-                if not keep.any():
-                    continue
-                if np.any(ids[keep] >= num_examples):
-                    raise IndexError(f"teacher cache: example_id {int(ids[keep].max())} >= "
-                                     f"num_examples {num_examples}")
-                R, T = np.asarray(batch["input_ids"]).shape
-                yield batch, (ids, keep, T, forward_work(keep, R, T))
-
         # The host copies out and writes one batch while the next forwards run (the copy-out
         # was 11 s of 46 s of an MRPC intermediate build).
         flops = work_lib.Work()
-        for (ids, keep, T, work), feats in forwarded(forward, params, rows(), flops=flops):
+        rows = _valid_rows(batches, num_examples)
+        for (ids, keep, T, work), feats in forwarded(forward, params, rows, flops=flops):
             write(feats, ids, keep, T, work)
             if live is not None:
                 live.check()
@@ -446,23 +371,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         if n_missing > 0:
             log.warning("teacher cache %s: %d of %d examples not covered by the batches; "
                         "looking them up will fail", path, n_missing, expected)
-        fields = {}
-        # The maps stay open: the steps of a build beside them read them (Live.view) until the
-        # finished cache replaces the build, and they stay valid through the folder's rename.
-        for k, arr in files.items():
-            arr.flush()
-            fields[k] = _file_info(os.path.join(tmp, k + ".npy"))
-        np.save(os.path.join(tmp, FILLED), filled)
-        meta = {"version": VERSION,
-                "fingerprint": _normalise(dict(fingerprint, num_examples=int(num_examples))),
-                "num_examples": int(num_examples), "filled": int(filled.sum()),
-                "fields": fields, "filled_file": _file_info(os.path.join(tmp, FILLED)),
-                **tokens.close()}
-        # meta.json last: a folder without it is never mistaken for a complete cache.
-        with open(os.path.join(tmp, META), "w") as fh:
-            json.dump(meta, fh, indent=1, sort_keys=True)
-        # Remote: the staged folder stays as this process's local copy.
-        fs.publish_dir(tmp, path, last=[META], keep_local=fs.is_remote(path))
+        meta = _publish(tmp, path, files, filled, tokens, fingerprint, num_examples)
     except BaseException:
         prog.close(stopped=True)
         tokens.abort()
@@ -475,6 +384,46 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
                          "bytes": int(sum(i["bytes"] for i in stored)),
                          **({"flops": flops.flops} if flops.known else {})}
     return cache
+
+
+def _valid_rows(batches: Iterable[Mapping[str, np.ndarray]], num_examples: int):
+    """(batch, (example ids, kept rows, T, forward work)) for each batch with a row to cache."""
+    for batch in batches:
+        ids = np.asarray(batch["example_id"], np.int64)
+        keep = ids >= 0
+        if "valid" in batch:
+            keep &= np.asarray(batch["valid"]) > 0
+        if not keep.any():
+            continue
+        if np.any(ids[keep] >= num_examples):
+            raise IndexError(f"teacher cache: example_id {int(ids[keep].max())} >= "
+                             f"num_examples {num_examples}")
+        R, T = np.asarray(batch["input_ids"]).shape
+        yield batch, (ids, keep, T, forward_work(keep, R, T))
+
+
+def _publish(tmp: str, path: str, files: Dict[str, np.ndarray], filled: np.ndarray, tokens,
+             fingerprint: Mapping[str, Any], num_examples: int) -> dict:
+    """Writes a built cache's meta.json in its staging folder `tmp` and moves the folder to
+    `path`; -> the meta."""
+    fields = {}
+    # The maps stay open: the steps of a build beside them read them (Live.view) until the
+    # finished cache replaces the build, and they stay valid through the folder's rename.
+    for k, arr in files.items():
+        arr.flush()
+        fields[k] = _file_info(os.path.join(tmp, k + ".npy"))
+    np.save(os.path.join(tmp, FILLED), filled)
+    meta = {"version": VERSION,
+            "fingerprint": _normalise(dict(fingerprint, num_examples=int(num_examples))),
+            "num_examples": int(num_examples), "filled": int(filled.sum()),
+            "fields": fields, "filled_file": _file_info(os.path.join(tmp, FILLED)),
+            **tokens.close()}
+    # meta.json last: a folder without it is never mistaken for a complete cache.
+    with open(os.path.join(tmp, META), "w") as fh:
+        json.dump(meta, fh, indent=1, sort_keys=True)
+    # Remote: the staged folder stays as this process's local copy.
+    fs.publish_dir(tmp, path, last=[META], keep_local=fs.is_remote(path))
+    return meta
 
 
 class _TokenWriter:
@@ -594,315 +543,16 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
                  live=live)
 
 
-# ----------------------------------------------------------------------------- trainer glue
-
-def token_cache_bytes(obj, seq_lens: np.ndarray, dtype: str = "float16") -> int:
-    """Disk bytes of the per-token teacher cache of an intermediate objective for rows padded
-    to `seq_lens` (int [R], each row's bucket length): attention logits [K_a, H, T, T] plus
-    hidden states [K_h, T, D] per row."""
-    tc = obj.teacher_config
-    T = np.asarray(seq_lens, np.int64)
-    ka = len(obj.teacher_attention_layers) * tc.num_attention_heads
-    kh = len(obj.teacher_hidden_layers) * tc.hidden_size
-    return int(np.dtype(dtype).itemsize * np.sum(ka * T * T + kh * T))
-
-
-def teacher_model_id(teacher) -> str:
-    """The teacher module's part of a cache fingerprint: its class and compute dtypes."""
-    out = f"{type(teacher).__name__}:{getattr(teacher, 'dtype', None)}"
-    # Products in another dtype than the activations give other outputs. Named only then, so
-    # that the fingerprints of caches built before dot_dtype existed still match.
-    if getattr(teacher, "dot_dtype", None) is not None:
-        out += f":dots={teacher.dot_dtype}"
-    return out
-
-
-def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: int = 64,
-                       num_steps: Optional[int] = None,
-                       token_dtype: Optional[str] = None, store=None, live=None,
-                       order: Optional[Iterable[Tuple[int, np.ndarray]]] = None) -> TeacherCache:
-    """The cache for a training run (called by `train.train_and_evaluate`).
-
-    Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
-    (`rows_to_cache`: all of them once num_steps is an epoch or more, or None): a run of fewer
-    steps than an epoch of a large (e.g. augmented) train set forwards only the rows it will use. One
-    pass in dataset order, no dropped remainder. Each process builds its own copy (under
-    `cache/teacher_p<i>` when there are several): no collective is involved, and the workdir
-    need not be shared. token_dtype (float16 | float32): cache the
-    objective's per-token features (intermediate stage: attention logits, hidden states), each
-    row at its bucket length, in that dtype. store: a `teacher_store.Store` (or None): an
-    entry there that covers the rows is copied in instead of running the teacher, and what
-    this build computes per example (logits, [CLS] vectors; not the per-token fields) is
-    published to it for later runs. live, order: a build beside the steps (teacher_stream.py):
-    the `Live` that readers wait on, and (T, example rows [b]) of the steps left, in the order
-    they run (`teacher_stream.steps_order`), which an unpacked pass follows before the rows no
-    step reads.
-    """
-    ds = data.train_dataset
-    n = len(ds)
-    tok = tokenize.load_data_tokenizer(models.tokenizer_dir)
-    fingerprint = {
-        # build.Models hashes its teacher once a run; other `models` (tests) are hashed here.
-        "teacher": (getattr(models, "teacher_fingerprint", None)
-                    or params_fingerprint(models.teacher_params)),
-        "teacher_model": teacher_model_id(models.teacher),
-        "teacher_config": models.teacher_config.to_dict(),
-        "data": dataset_fingerprint(ds),
-        "tokenizer": tokenize.tokenizer_fingerprint(tok),
-        "layers": list(getattr(obj, "teacher_cls_layers", ()) or ()),
-        "objective": getattr(obj, "name", None),
-    }
-    buckets = _train_buckets(data)
-    token_fields: Tuple[str, ...] = ()
-    attn_layers: Tuple[int, ...] = ()
-    if token_dtype:
-        token_fields = obj.token_cache_fields
-        attn_layers = tuple(obj.teacher_attention_layers)
-        # A row's length is its bucket's: other buckets need another cache.
-        fingerprint.update(buckets=list(buckets), token_dtype=str(token_dtype),
-                           hidden_layers=list(obj.teacher_hidden_layers),
-                           attention_layers=list(attn_layers))
-    rows, lengths, plan = _pass_plan(obj, data, token_dtype, num_steps)
-    if rows is not None:
-        # Which rows is part of what the cache holds: another step count or seed rebuilds it.
-        fingerprint["rows"] = arrays_fingerprint(rows)
-        log.info("teacher cache: %d steps read %d of %d train examples; caching those",
-                 num_steps, len(rows), n)
-    name = "teacher" if jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
-    path = fs.join(workdir, "cache", name)
-
-    def batches():   # asked for only when the cache is built here
-        if plan is None and order is not None:
-            return _ordered_row_batches(ds, order, rows, buckets, batch_size)
-        if plan is None:
-            return _row_batches(ds, rows, buckets, batch_size)
-        log.info("teacher cache: %d examples packed into %d rows of %d tokens (up to %d per "
-                 "row): %.0f%% of the tokens of padding each to its bucket", len(lengths),
-                 len(plan[2]), plan[0], plan[1],
-                 100.0 * len(plan[2]) * plan[0] / max(1, batching.padded_tokens(lengths, buckets)))
-        return _packed_row_batches(ds, rows, plan, batch_size)
-
-    forward = _training_forward(models, obj, token_dtype,
-                                packed_segments=None if plan is None else plan[1])
-    # What the per-example outputs depend on, whichever objective asks: the logits-only entry of
-    # an intermediate build is the one a prediction or KD run looks for.
-    share_fp = dict(fingerprint, layers=[] if token_fields else fingerprint["layers"],
-                    num_examples=n)
-    if store is not None and not token_fields and not _is_current(path, fingerprint, n):
-        need = np.arange(n) if rows is None else rows
-        # An entry of a run with other buckets lacks a few rows (each bucket drops its own
-        # incomplete batch): those are forwarded here, up to a quarter of what the run reads.
-        entry = store.find(share_fp, rows, max_missing=len(need) // 4)
-        if entry is not None:
-            missing = need[~np.asarray(entry.filled)[need]]
-            log.info("teacher cache: teacher outputs of %d examples from the teacher store %s "
-                     "(computed by an earlier run with the same teacher and data; "
-                     "JTB_TEACHER_STORE=off to recompute)%s", len(need) - len(missing),
-                     entry.path, f"; forwarding the {len(missing)} it lacks" if len(missing)
-                     else "")
-            def fill(ids):   # a few rows: in buckets, with the forward of unpacked rows
-                return _forward_rows(_training_forward(models, obj, token_dtype),
-                                     models.teacher_params,
-                                     _row_batches(ds, ids, buckets, batch_size), ids)
-
-            cache = store.adopt(entry, path, fingerprint, missing=missing, fill=fill)
-            if len(missing):
-                store.publish(cache, share_fp)   # the entry grows to the rows of both runs
-            return cache
-    cache = build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
-                          num_rows=None if rows is None else len(rows),
-                          token_fields=token_fields, token_dtype=token_dtype or "float32",
-                          work_total=pass_work(lengths, buckets, plan), live=live)
-    if store is not None and cache.build_stats is not None:
-        store.publish(cache, share_fp, fields=["teacher_logits"] if token_fields else None)
-    cache.fields = _step_fields(cache.fields, token_dtype)
-    return cache
-
-
-def _pass_plan(obj, data, token_dtype: Optional[str], num_steps: Optional[int]):
-    """(rows, lengths, plan) of `build_for_training`'s pass: the rows it caches
-    (`rows_to_cache`; None = all), their lengths int [R], and the `packing_plan` of a forward
-    that reads one output per example (None: unpacked, each row at its bucket's length)."""
-    ds = data.train_dataset
-    rows = rows_to_cache(data.train_batches, ds, num_steps)
-    lengths = np.asarray(ds.lengths)[slice(None) if rows is None else rows]
-    plan = (packing_plan(lengths, _train_buckets(data)) if _reads_cls_only(obj, token_dtype)
-            else None)
-    return rows, lengths, plan
-
-
-def _train_buckets(data) -> Tuple[int, ...]:
-    """The length buckets of `data`'s train batches (batching.DEFAULT_BUCKETS without any)."""
-    return getattr(data.train_batches, "buckets", None) or batching.DEFAULT_BUCKETS
-
-
-def follows_steps(obj, data, token_dtype: Optional[str], num_steps: Optional[int]) -> bool:
-    """Whether `build_for_training(..., order=)` forwards the rows in the order of the steps
-    that read them, as a build beside the steps (teacher_stream.py) needs so that a step finds
-    its rows written: a per-token cache always; a cache of logits / [CLS] rows when its
-    examples are not packed (`packing_plan`: MRPC's pairs are not; SST-2's short sentences are,
-    several to a row in no step's order, and would all be waited for by the first step)."""
-    return _pass_plan(obj, data, token_dtype, num_steps)[2] is None
-
-
-def _step_fields(fields: Dict[str, Any], token_dtype: Optional[str]) -> Dict[str, Any]:
-    """Of a training cache's fields, those its batches get: a per-token (intermediate) cache
-    keeps its logits for the store only, since the intermediate loss reads the per-token fields."""
-    return {k: v for k, v in fields.items() if not (token_dtype and k == "teacher_logits")}
-
-
-def _reads_cls_only(obj, token_dtype: Optional[str]) -> bool:
-    """Whether a training cache's forward reads logits and [CLS] rows alone."""
-    return not token_dtype and not obj.reads_tokens
-
-
-def _training_forward(models, obj, token_dtype: Optional[str],
-                      packed_segments: Optional[int] = None) -> Callable:
-    """The forward a training run's cache is built with (see `build_for_training`);
-    packed_segments: for the batches of `_packed_row_batches` (see `make_forward`)."""
-    token_fields = tuple(obj.token_cache_fields) if token_dtype else ()
-
-    def with_logits(out):
-        # The logits cost one pooler + classifier on the forward that runs anyway: stored so the
-        # prediction stage after this one (same teacher, same data) reads them from the store.
-        return dict(obj.teacher_features(out), teacher_logits=out.logits)
-
-    return make_forward(models.teacher, with_logits if token_fields else obj.teacher_features,
-                        attention_layers=obj.teacher_attention_layers if token_fields else (),
-                        token_fields=token_fields, token_dtype=token_dtype or "float32",
-                        cls_only=_reads_cls_only(obj, token_dtype),
-                        packed_segments=packed_segments)
-
-
-def lookup_spec(models, obj, batch: Mapping[str, Any],
-                token_dtype: Optional[str] = None) -> Dict[str, jax.ShapeDtypeStruct]:
-    """What `lookup` adds to `batch` (int [b, T] model inputs) from the cache that
-    `build_for_training(models, obj, ..., token_dtype=token_dtype)` builds, as shapes and dtypes,
-    without running the teacher: the train step can be compiled for those batches while the cache
-    is being built. {field: ShapeDtypeStruct [b, ...]}."""
-    forward = _training_forward(models, obj, token_dtype)
-    out = jax.eval_shape(forward, models.teacher_params,
-                         *(jax.ShapeDtypeStruct(np.shape(batch[k]), np.asarray(batch[k]).dtype)
-                           for k in MODEL_KEYS))
-    return _step_fields(out, token_dtype)
-
-
-def rows_per_forward(seq_len: int, batch_size: int) -> int:
-    """Rows of a [batch_size, seq_len] batch that one cache-build forward takes: on CPU
-    `batching.chunk_rows` of FORWARD_TOKENS tokens, the whole batch on accelerators."""
-    if jax.default_backend() != "cpu":
-        return int(batch_size)
-    return batching.chunk_rows(batch_size, seq_len, FORWARD_TOKENS)
-
-
-def packing_plan(lengths: np.ndarray, buckets: Sequence[int]
-                 ) -> Optional[Tuple[int, int, List[np.ndarray]]]:
-    """(row_len, max_segments, rows of `packing.pack`) for a teacher pass over examples of
-    `lengths` (int [n]) that reads one output per example, or None when packing them would not
-    cost at most PACK_GAIN of padding each to its bucket of `buckets` (cost of a token in a
-    row of T: 1 + T / PACK_ATTENTION_LEN). row_len: of the buckets that hold the longest
-    example, the cheapest. SST-2 train (mean 13.3 tokens, buckets up to 64): rows of 64, 16 segments, 79% of
-    the bucketed tokens; MRPC pairs (mean 53) at 128: 94%, not packed."""
-    lengths = np.asarray(lengths, np.int64)
-    b = np.asarray(sorted(int(x) for x in buckets), np.int64)
-    if not len(lengths) or lengths.max() > b[-1]:
-        return None
-    best, cost = None, PACK_GAIN * pass_work(lengths, b)
-    for P in b[b >= lengths.max()].tolist():   # each bucket long enough for every example
-        rows = packing.pack(lengths, P, max(1, P // 4))
-        S = max(len(r) for r in rows)
-        packed = pass_work(lengths, b, (P, S, rows))
-        if S > 1 and packed <= cost:
-            best, cost = (P, S, rows), packed
-    return best
-
-
-def _packed_row_batches(ds, rows: Optional[np.ndarray], plan, batch_size: int):
-    """`_row_batches` for a `packing_plan` over dataset rows `rows` (None: all of ds): packed
-    batches (data/packing.py) of FORWARD_TOKENS tokens on CPU (`rows_per_forward`), of
-    batch_size rows elsewhere; example_id = the row's index in ds."""
-    P, S, packed = plan
-    src = ds if rows is None else tokenize.take(ds, rows)
-    for batch in packing.packed_batches(src, packed, P, S, rows_per_forward(P, batch_size)):
-        if rows is not None:
-            ids = batch["example_id"]
-            batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)
-        yield batch
-
-
-def _row_batches(ds, rows: Optional[np.ndarray], buckets, batch_size: int):
-    """Eval-mode bucketed batches over dataset rows `rows` (int [R]; None: all of `ds`), no
-    row dropped, each split into chunks of `rows_per_forward` rows; example_id = the row's
-    index in `ds` (-1 for filler rows)."""
-    src = ds if rows is None else tokenize.take(ds, rows)
-    it = batching.BucketedBatcher(src, min(batch_size, max(1, len(src))), buckets,
-                                  train=False, process_index=0, process_count=1)
-    for batch in it:
-        if rows is not None:  # subset positions -> the train set's example ids
-            ids = batch["example_id"]
-            batch["example_id"] = np.where(ids >= 0, rows[np.maximum(ids, 0)], -1)
-        n, T = np.shape(batch["input_ids"])
-        step = rows_per_forward(T, n)
-        for s in range(0, n, step):
-            chunk = {k: v[s:s + step] for k, v in batch.items()}
-            if np.any(chunk["example_id"] >= 0):   # not filler rows only
-                yield chunk
-
-
-def _ordered_row_batches(ds, order: Iterable[Tuple[int, np.ndarray]], rows: Optional[np.ndarray],
-                         buckets, batch_size: int):
-    """Batches for a cache build over the rows of `order` ((T, example rows int [g], -1 =
-    filler) per step, e.g. `teacher_stream.steps_order`) first, each at its step's T, in that
-    order, then over the rows of `rows` (None: all of ds) that no step of it reads, bucket by
-    bucket. Chunks of `rows_per_forward(T, g)` rows (g: the steps' batch; `batch_size` without
-    steps), the shapes of a build before the steps of batch g; a step's (or a bucket's) last
-    chunk is completed with filler rows (example_id -1, valid 0)."""
-    done = np.zeros((len(ds),), bool)
-    wanted = np.zeros((len(ds),), bool)
-    wanted[slice(None) if rows is None else rows] = True
-    left, g = int(wanted.sum()), None
-    for T, ids in order:
-        if left <= 0:
-            break
-        ids = np.asarray(ids, np.int64)
-        g = g or len(ids)
-        ids = ids[ids >= 0]   # a step's rows are distinct (a slice of the epoch's permutation)
-        ids = ids[wanted[ids] & ~done[ids]]
-        done[ids] = True
-        left -= len(ids)
-        yield from _chunks(ds, ids, int(T), rows_per_forward(int(T), g))
-    rest = np.flatnonzero(wanted & ~done)
-    if len(rest):
-        g = g or int(batch_size)
-        b = np.asarray(sorted(buckets), np.int64)
-        T_rest = b[batching.assign_buckets(np.asarray(ds.lengths)[rest], b)]
-        for T in np.unique(T_rest).tolist():
-            yield from _chunks(ds, rest[T_rest == T], int(T), rows_per_forward(int(T), g))
-
-
-def _chunks(ds, ids: np.ndarray, T: int, step: int):
-    """Rows `ids` of ds at length T in chunks of `step` rows, the last completed with filler
-    rows (a copy of a real row, example_id -1, valid 0)."""
-    for s in range(0, len(ids), step):
-        part = ids[s:s + step]
-        real = np.arange(step) < len(part)
-        fill = np.where(real, np.resize(part, step), part[0])
-        chunk = {k: v for k, v in ds.gather(fill, T).items() if k != "labels"}
-        chunk["example_id"] = np.where(real, fill, -1)
-        chunk["valid"] = real.astype(np.float32)
-        yield chunk
-
-
 def forwarded(forward: Callable, params, items: Iterable[Tuple[Mapping[str, Any], Any]],
               in_flight: Optional[int] = None, flops: Optional[work_lib.Work] = None
               ) -> Iterator[Tuple[Any, Dict[str, np.ndarray]]]:
     """(tag, host outputs of `forward(params, *batch[MODEL_KEYS])`) for each (batch, tag) of
-    `items`, in their order. On CPU up to `in_flight` (default FORWARDS_IN_FLIGHT) forwards run
+    `items`, in their order. On CPU up to `in_flight` (default: the profile's forwards_in_flight) forwards run
     at once, each in its own thread, and one more is queued; elsewhere one at a time, the next
     dispatched while the caller handles the last. Leaving the loop early cancels the queued ones
     and waits for those running. flops: counts each forward's FLOPs (`forward` jitted)."""
     if in_flight is None:
-        in_flight = FORWARDS_IN_FLIGHT if jax.default_backend() == "cpu" else 1
+        in_flight = speed.current().forwards_in_flight
 
     def run(batch):
         args = tuple(np.asarray(batch[k]) for k in MODEL_KEYS)
@@ -926,50 +576,3 @@ def forwarded(forward: Callable, params, items: Iterable[Tuple[Mapping[str, Any]
             yield tag, fut.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _forward_rows(forward: Callable, params, batches, rows: np.ndarray) -> Dict[str, np.ndarray]:
-    """forward's outputs over `batches` (from `_row_batches(ds, rows, ...)`, rows sorted int
-    [M]) -> {field: float32 [M, ...]} in the order of `rows`."""
-    params = jax.device_put(params)
-    out: Dict[str, np.ndarray] = {}
-
-    def positions():
-        for batch in batches:
-            ids = np.asarray(batch["example_id"])
-            keep = (ids >= 0) & (np.asarray(batch["valid"]) > 0)
-            yield batch, (keep, np.searchsorted(rows, ids[keep]))
-
-    for (keep, pos), feats in forwarded(forward, params, positions()):
-        for k, v in feats.items():
-            if k not in out:
-                out[k] = np.zeros((len(rows),) + v.shape[1:], np.float32)
-            out[k][pos] = np.asarray(v, np.float32)[keep]
-    return out
-
-
-def _is_current(path: str, fingerprint: Mapping[str, Any], num_examples: int) -> bool:
-    """Whether the workdir cache at `path` is already the one for `fingerprint` (meta only)."""
-    try:
-        with fs.open_file(fs.join(path, META)) as fh:
-            old = json.load(fh).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return old == _normalise(dict(fingerprint, num_examples=int(num_examples)))
-
-
-def rows_to_cache(batcher, ds, num_steps: Optional[int]) -> Optional[np.ndarray]:
-    """The rows of `ds` a training run's teacher cache holds: int64 [R] sorted, the rows that
-    `num_steps` steps of `batcher` read, or None for all of them.
-
-    All of them from an epoch on: an epoch leaves only each bucket's incomplete batch unread (at
-    most buckets x batch rows), and forwarding those too makes the entry published to the
-    teacher store serve a later stage whose buckets or seed leave other rows, which would
-    otherwise compile teacher forward programs for a handful of rows (~7 s of an MRPC
-    prediction epoch)."""
-    if (num_steps is None or not hasattr(batcher, "rows_read")
-            or not isinstance(ds, tokenize.EncodedDataset)
-            or num_steps >= batcher.steps_per_epoch):
-        return None
-    rows = batcher.rows_read(num_steps)
-    return None if len(rows) == len(ds) else rows

@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
@@ -37,12 +36,16 @@ from jax_tinybert.distill import objectives
 from jax_tinybert.parallel import sharding as shd
 from jax_tinybert.train import step as step_lib
 from jax_tinybert.teacher import cache as teacher_cache, store as teacher_store
-from jax_tinybert.speed import teacher_stream
-from jax_tinybert.config.check import DTYPES, ConfigValueError, owned_by_a_run
+from jax_tinybert.teacher import training as teacher_training
+from jax_tinybert.teacher import fingerprint as teacher_fingerprint
+from jax_tinybert.teacher import stream as teacher_stream
+from jax_tinybert.config.check import DTYPES, ConfigValueError, owned_by_a_run, record_speed
 from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
 from jax_tinybert.model.hf import bert_params, load_pretrained, resolve_path
-from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, BertModel, is_half,
-                                   init_classifier, random_params)
+from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, BertModel,
+                                         init_classifier, random_params)
+from jax_tinybert import speed
+from jax_tinybert.speed import dtypes as speed_dtypes
 from jax_tinybert.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -71,27 +74,11 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
-def compute_dtypes(name: str, backend: Optional[str] = None) -> dict:
-    """A model's compute keyword arguments for config dtype `name` on `backend` (default:
-    JAX's): {"dtype": name}, or on a CPU for a 16-bit name {"dtype": float32, "dot_dtype":
-    name}: float32 activations and 16-bit products' operands. The CPU has no 16-bit
-    element-wise arithmetic (XLA converts around every op), while its bfloat16 products run on
-    AMX or AMD's AVX512-BF16 where the CPU has them (benchmarks/RESULTS.md#what-we-tried). No
-    "dot_dtype" key otherwise, so that a model class from before it
-    (benchmarks/ab_modeling.py's baseline) takes these too."""
-    dt = dtype(name)
-    if is_half(dt) and (backend or jax.default_backend()) == "cpu":
-        return {"dtype": jnp.float32, "dot_dtype": dt}
-    return {"dtype": dt}
-
-
-def compute_label(name: str, backend: Optional[str] = None) -> str:
-    """How a model of config dtype `name` computes on `backend`, in words for the start-up line:
-    'bfloat16', or on a CPU 'bfloat16 products, float32 activations' (compute_dtypes)."""
-    kw = compute_dtypes(name, backend)
-    act = jnp.dtype(kw["dtype"]).name
-    return f"{jnp.dtype(kw['dot_dtype']).name} products, {act} activations" \
-        if "dot_dtype" in kw else act
+def compute_dtypes(name: str) -> dict:
+    """A model's compute keyword arguments for config dtype `name` on this backend
+    (speed.dtypes.compute_dtypes)."""
+    dtype(name)
+    return speed_dtypes.compute_dtypes(name, speed.backend())
 
 
 def student_module(config, student_config: BertConfig) -> BertForSequenceClassification:
@@ -119,10 +106,10 @@ class Models:
 
     @functools.cached_property
     def teacher_fingerprint(self) -> Optional[str]:
-        """`teacher_cache.params_fingerprint` of the teacher's params, hashed once a run (the
+        """`teacher_fingerprint.params_fingerprint` of the teacher's params, hashed once a run (the
         checkpoints' input record and the teacher cache both read it); None without one."""
         return (None if self.teacher_params is None
-                else teacher_cache.params_fingerprint(self.teacher_params))
+                else teacher_fingerprint.params_fingerprint(self.teacher_params))
 
 
 def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
@@ -236,33 +223,13 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
     return Data(batches, ev, eval_ds.labels, spec.name, spec.num_labels, id2label, train_ds)
 
 
-# Auto `data.bucket_compile_steps`: one bucket's compilations (train step, eval step, teacher
-# forward) in train steps at length COMPILE_STEPS_LEN. A compilation takes about as long at any
-# length while a step grows with it, hence a fixed reference length: on 2 CPU cores (MiniLM-L6
-# -> TinyBERT4, benchmarks/compile_cost.py) 7-14 steps at 64 = 3-7 at 128. On an H200 through
-# the CLI (the fast-compile flags of xla_flags.py): 12.7-23.8 s a train program
-# (17 s mean) + 3.1-3.9 s an eval program, steps at length 64 and batch 32 of 7.4-9.9 ms
-# (~8.3 ms): ~2,400 steps; and a bucket compiling in the background stalled the first of its
-# batches for 12-18 s. SST-2, one epoch: one bucket (64,) instead of (24, 64).
-AUTO_COMPILE_STEPS = {"cpu": 8.0}
-AUTO_COMPILE_STEPS_ACCELERATOR = 2000.0
+# A bucket's compilations are charged in train steps at this length (a compilation takes about
+# as long at any length, while a step grows with it).
 COMPILE_STEPS_LEN = 64
 # A dev bucket's charge against a train bucket's, per row of padding: its only compilation is
-# the eval program, ~1/10 of a bucket's (compile_cost.py, 2-core Xeon: 0.54-0.61 s against
-# 6.8-8.3 s), and a dev row of padding costs a forward, ~1/3 of a train row. Charged like a
-# train bucket (at eval batch 64: 6.7x this), MRPC's dev set got (88, 128) for a one-epoch
-# run; (64, 88, 128) does 13% less work, filler rows counted (benchmarks/RESULTS.md#what-we-tried).
-# On an H200 the eval program's share is ~1/5 (above), but the accelerator's charge is
-# large enough that a dev set keeps one or two buckets either way.
+# the eval program (~1/10 of a bucket's), and a dev row of padding costs a forward (~1/3 of a
+# train row); MRPC's dev set then pads 13% less (benchmarks/RESULTS.md#what-we-tried).
 EVAL_BUCKET_SHARE = 0.3
-
-
-def bucket_compile_steps(config) -> float:
-    """config.data.bucket_compile_steps with -1 (auto) resolved for this backend."""
-    v = float(config.data.bucket_compile_steps)
-    if v >= 0:
-        return v
-    return AUTO_COMPILE_STEPS.get(jax.default_backend(), AUTO_COMPILE_STEPS_ACCELERATOR)
 
 
 BUCKETS_RECORD = "buckets.json"
@@ -271,7 +238,8 @@ BUCKETS_RECORD = "buckets.json"
 def choose_buckets(config, train_lengths, eval_lengths,
                    workdir: Optional[str] = None) -> Tuple[tuple, tuple]:
     """(train buckets, eval buckets): config.data.buckets, or when () chosen from each set's
-    lengths for this run, weighing a bucket's compilations (`bucket_compile_steps`) against
+    lengths for this run, weighing a bucket's compilations (data.bucket_compile_steps, made
+    concrete by speed.resolve) against
     the padding it saves over the run's passes (train: its epochs; dev: its evaluations).
 
     Chosen once per run: recorded in workdir/buckets.json and reused when the run resumes, so
@@ -292,7 +260,8 @@ def choose_buckets(config, train_lengths, eval_lengths,
     evals = (math.ceil(epochs * n / tc.batch_size / tc.eval_every) if tc.eval_every
              else math.ceil(epochs))
     # A run started before buckets.json existed chose its buckets with compilations free.
-    per_bucket = 0.0 if owned else bucket_compile_steps(config)
+    per_bucket = 0.0 if owned else float(  # auto resolved here too for a direct caller
+        speed.resolve(config, speed.backend())[0].data.bucket_compile_steps)
     train = batching.resolve_buckets(
         (), dc.max_len, train_lengths, dc.max_buckets, passes=max(epochs, 1e-9),
         compile_cost=batching.compile_cost(per_bucket, tc.batch_size, COMPILE_STEPS_LEN))
@@ -364,7 +333,7 @@ class Step:
     """The jitted steps of one run and the shardings they were compiled for.
 
     train_step(state, teacher_params, batch) -> (state, metrics); state donated. One jitted
-        program, or a step_lib.SplitTrainStep (gradient + update programs; splits_update).
+        program, or a step_lib.SplitTrainStep (gradient + update programs; train.split_update).
     eval_step(student_params, batch) -> logits [B, C] (None when not asked for).
     abstract_state / abstract_teacher: ShapeDtypeStructs with shardings (for restore / lower).
     loss_fn(params, teacher_params, batch, rng) -> (loss, terms): what train_step differentiates.
@@ -400,70 +369,24 @@ class Step:
         return shd.put_sharded(teacher_params, self.teacher_shardings)
 
 
-# train.split_update='auto' runs the optimizer update as a program of its own where that was
-# measured faster. On a 2-core Intel Xeon (SST-2), compiled
-# apart, the update leaves each bucket's program 2.4 s (prediction) / 3.2 s (intermediate)
-# quicker to compile, once 1.7-2.2 s for its own. Run apart, it made prediction steps ~3% slower
-# (~4 ms: it no longer overlaps the backward pass; a CLI A/B of 4 pairs), which breaks even near
-# 600 steps per bucket: below SPLIT_STEPS_PER_BUCKET steps per bucket the update is split.
-# Intermediate-layer steps were no slower split (-1.5% in one process, -3.5% over a full later
-# epoch), so they always split. Not measured on an accelerator, where the fused step stays.
-SPLIT_STEPS_PER_BUCKET = {"cpu": 500}
-SPLIT_ALWAYS_OBJECTIVES = {"cpu": ("tinybert_intermediate",)}
-# The train step's forwards in row chunks of at most this many tokens, on one CPU device
-# (step.num_chunks), in runs of CHUNK_MIN_STEPS steps per length bucket or more: each chunk is a
-# forward (the student's with its backward) of its own, and the program compiles longer (at T
-# 128: 3.6 s whole, 4.6 with the teacher's in chunks, 9.2 with the student's too, for steps
-# 1.06x and 1.13x faster). A short run loses: MRPC's one-epoch intermediate stage (23 steps a
-# bucket) took 109-111 s with both chunked against 100-101 s. benchmarks/RESULTS.md, "Forwards
-# in row chunks".
-# The same size as the teacher cache pass's forwards.
-CHUNK_TOKENS = {"cpu": teacher_cache.FORWARD_TOKENS}
-CHUNK_MIN_STEPS = 100
-
-
-def chunk_tokens(config, mesh, total_steps: int, num_buckets: int) -> int:
-    """Tokens per forward chunk of the train step, teacher and student (`step.make_loss_fn`):
-    train.chunk_tokens when >= 0 (0: whole batches); -1 = auto: CHUNK_TOKENS on one device of
-    this backend (several would each hold a slice of every chunk), in runs of
-    total_steps >= CHUNK_MIN_STEPS x num_buckets; else 0."""
-    v = int(config.train.chunk_tokens)
-    if v >= 0:
-        return v
-    long_run = total_steps >= CHUNK_MIN_STEPS * max(1, num_buckets)
-    return CHUNK_TOKENS.get(jax.default_backend(), 0) if mesh.devices.size == 1 and long_run \
-        else 0
-
-
 def _chunks_note(n: int, teacher) -> str:
     """'; ... in row chunks of <= n tokens' for the train step's log line ('' for n 0)."""
     who = "the teacher's and the student's forwards" if teacher else "the student's forward"
     return f"; {who} in row chunks of <= {n} tokens (train.chunk_tokens)" if n else ""
 
 
-def splits_update(config, total_steps: int, num_buckets: int) -> bool:
-    """Whether the train step runs the update as a program of its own (train.split_update:
-    'always', 'never', or 'auto': on CPU, the intermediate-layer objective, or a run of
-    total_steps <= SPLIT_STEPS_PER_BUCKET x num_buckets, the train programs it compiles)."""
-    mode = config.train.split_update
-    if mode in ("always", "never"):
-        return mode == "always"
-    if mode != "auto":
-        raise ConfigValueError(f"config.train.split_update={mode!r}: expected 'auto', 'always' "
-                               "or 'never'")
-    backend = jax.default_backend()
-    if config.objective.name in SPLIT_ALWAYS_OBJECTIVES.get(backend, ()):
-        return True
-    return total_steps <= SPLIT_STEPS_PER_BUCKET.get(backend, 0) * max(1, num_buckets)
-
-
 def build_step(config, *, student, teacher, objective: objectives.Objective, student_params,
                teacher_params, mesh, total_steps: int, with_eval: bool = False,
                num_buckets: int = 1) -> Step:
     """Shardings and jitted steps for `student` (+ `teacher`, None when the step runs without
-    one, e.g. teacher outputs cached) under `config` (optim, train.grad_accum, train.split_update
-    with the run's `total_steps` and `num_buckets`, mesh.fsdp_min_size, student/teacher dropout).
-    Params may be arrays or ShapeDtypeStructs: only shapes are read."""
+    one, e.g. teacher outputs cached) under `config` (optim, train.grad_accum, mesh.fsdp_min_size,
+    student/teacher dropout, and train.split_update / train.chunk_tokens, which speed.resolve
+    makes concrete for the run's `total_steps` and `num_buckets`; still auto, they are resolved
+    here). Params may be arrays or ShapeDtypeStructs: only shapes are read."""
+    if config.train.split_update == "auto" or int(config.train.chunk_tokens) < 0:
+        config, _ = speed.resolve(config, speed.backend(), speed.RunFacts(
+            total_steps, total_steps, num_buckets, devices=mesh.devices.size,
+            objective=objective.name))
     opt_cfg = optimizer_config(config)
     tx, schedule = optim.make_optimizer(opt_cfg, total_steps)
     # The update program takes the schedule's numbers as arguments (optim.py), built into the
@@ -481,14 +404,14 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
         teacher_abs = jax.eval_shape(lambda p: p, teacher_params)
         teacher_sh = shd.state_shardings(teacher_abs, mesh, fsdp_min)
         abstract_teacher = _with_shardings(teacher_abs, teacher_sh)
-    chunks = chunk_tokens(config, mesh, total_steps, num_buckets)
+    chunks = int(config.train.chunk_tokens)
     loss_fn = step_lib.make_loss_fn(student, teacher, objective,
                                     teacher_dropout=config.teacher.dropout,
                                     student_dropout=config.student.dropout,
                                     chunk_tokens=chunks)
     accum = config.train.grad_accum
     pad = optim.resolve(opt_cfg)["pad_token_id"]
-    if splits_update(config, total_steps, num_buckets):
+    if config.train.split_update == "always":
         train_step = step_lib.jit_split_train_step(
             step_lib.make_grad_step(loss_fn, grad_accum=accum, mesh=mesh),
             step_lib.make_update_step(optimizer, pad), state_sh, teacher_sh, mesh, numbers)
@@ -534,7 +457,7 @@ class Run:
 
     def ensure_cache(self, beside: bool = False):
         """The teacher cache, built now if it was deferred. beside=True (train.py): a
-        `teacher_stream.StreamingCache` where `builds_beside` says so, whose build runs while
+        `teacher_stream.StreamingCache` where teacher.cache_build is 'beside', whose build runs while
         the caller trains; the caller swaps it for its `result()` after the steps, or `stop()`s
         it."""
         if self.cache is None and self.cache_builder is not None:
@@ -565,111 +488,59 @@ def uses_teacher_cache(config, objective: objectives.Objective) -> bool:
                 and not config.teacher.dropout)
 
 
-def _local_disk(workdir: str) -> str:
-    """The local folder whose disk a cache under `workdir` is written to (a bucket workdir's
-    files are staged in the temp dir first)."""
-    return tempfile.gettempdir() if fs.is_remote(workdir) else fs.existing_dir(workdir)
-
-
-# 'auto' caches the per-token teacher outputs of runs longer than this many epochs. Measured on
-# SST-2 (benchmarks/RESULTS.md): the build adds ~140 s to the first epoch and saves ~120 s on
-# each later one, so a 2-epoch run is a wash (1,259 vs 1,237 s) and 3 epochs win.
-AUTO_CACHE_EPOCHS = 2
-# ... on CPU only. On an accelerator the teacher's forward in the step costs less than reading
-# its outputs back from disk and copying them in: SST-2 through the CLI on one H200, 7.4 ms a
-# step with the teacher live against 11.7 ms from the cache, which also took a 16 s build and
-# 14.3 GB of disk (benchmarks/RESULTS.md#what-we-tried).
-AUTO_CACHE_BACKENDS = ("cpu",)
-
-
-def builds_beside(config, follows_steps: Callable[[], bool]) -> bool:
-    """Whether the teacher cache is built beside the steps (teacher_stream.py) rather than
-    before the first: teacher.cache_build, 'auto' = on CPU when the pass forwards the rows in
-    the steps' order (`follows_steps()`, asked only then: `teacher_cache.follows_steps`).
-    There the steps leave ~0.2 of the two cores idle that the pass fills, and the first step
-    no longer waits for the whole pass (MRPC, benchmarks/RESULTS.md: the first intermediate
-    epoch 2.9 s shorter; the prediction epoch without a teacher store 2.3 s). A packed pass (SST-2's prediction stage) is in no step's order: its first
-    step would wait for nearly all of it."""
-    mode = config.teacher.cache_build
-    if mode == "auto":
-        return jax.default_backend() == "cpu" and follows_steps()
-    return mode == "beside"
-
-
-def token_cache_plan(config, objective: objectives.Objective, data: Data, total: int,
-                     workdir: str) -> Tuple[bool, str]:
-    """Whether this run caches the teacher's per-token outputs (intermediate stage), and why.
-
-    teacher.cache_tokens: 'auto' caches on CPU (AUTO_CACHE_BACKENDS) when the run is longer
-    than AUTO_CACHE_EPOCHS epochs (total > AUTO_CACHE_EPOCHS x steps_per_epoch: the teacher
-    forward of every later epoch is saved, which pays for the build from the third epoch on) and
-    the cache fits teacher.cache_max_gb and 80% of the free disk; 'always' whenever it fits;
-    'never'.
-    """
-    mode = config.teacher.cache_tokens
-    if (mode == "never" or not objective.teacher_token_cacheable or config.teacher.dropout
-            or not isinstance(data.train_dataset, tokenize.EncodedDataset)):
-        return False, "not cacheable" if mode != "never" else "teacher.cache_tokens='never'"
-    backend = jax.default_backend()
-    if mode == "auto" and backend not in AUTO_CACHE_BACKENDS:
-        return False, (f"on {backend} the teacher's forward in the step is faster than reading "
-                       "its outputs from disk (--config.teacher.cache_tokens=always to cache)")
-    spe = data.train_batches.steps_per_epoch
-    if mode == "auto" and total <= AUTO_CACHE_EPOCHS * spe:
-        return False, (f"{total} steps are at most {AUTO_CACHE_EPOCHS} epochs of {spe} steps: "
-                       "building the cache would not pay back")
-    rows = teacher_cache.rows_to_cache(data.train_batches, data.train_dataset, total)
-    if rows is None:
-        rows = np.arange(len(data.train_dataset))
-    lens = batching.assign_buckets(data.train_dataset.lengths[rows], data.train_batches.buckets)
-    T = np.asarray(data.train_batches.buckets, np.int64)[lens]
-    need = teacher_cache.token_cache_bytes(objective, T, config.teacher.cache_dtype)
-    free = fs.free_bytes(_local_disk(workdir))
-    limit = min(config.teacher.cache_max_gb * 1e9, 0.8 * free)
-    if need > limit:
-        why = (f"the teacher's per-token outputs of {len(rows):,} rows need {need / 1e9:.1f} GB, "
-               f"over min(teacher.cache_max_gb={config.teacher.cache_max_gb:g} GB, 80% of the "
-               f"{free / 1e9:.1f} GB free)")
-        if mode == "always":
-            raise ConfigValueError(f"config.teacher.cache_tokens='always': {why}; raise "
-                                   "config.teacher.cache_max_gb, free disk space, or pass "
-                                   "--config.teacher.cache_tokens=auto")
-        return False, why + ": the teacher runs in every step"
-    return True, f"{need / 1e9:.2f} GB ({config.teacher.cache_dtype}) for {len(rows):,} rows"
-
-
 def teacher_in_step(config, objective: objectives.Objective) -> bool:
     """Whether the train step runs the teacher (else its outputs come with the batch, or the
     objective needs none)."""
     return objective.needs_teacher and not uses_teacher_cache(config, objective)
 
 
+def run_facts(config, obj, data: Data, total: int, mesh, workdir: str) -> speed.RunFacts:
+    logits_cache = uses_teacher_cache(config, obj)
+    return speed.RunFacts(
+        total_steps=total, steps_per_epoch=data.train_batches.steps_per_epoch,
+        num_buckets=len(data.train_batches.buckets), devices=mesh.devices.size,
+        objective=obj.name, logits_cache=logits_cache,
+        token_cacheable=not logits_cache and teacher_training.token_cacheable(config, obj, data),
+        token_cache_fits=lambda: teacher_training.token_cache_fits(config, obj, data, total,
+                                                                 workdir),
+        follows_steps=lambda token_dtype: teacher_training.follows_steps(obj, data, token_dtype,
+                                                                      total))
+
+
 def build_run(config, workdir: str) -> Run:
-    """Data, models, objective, optimizer, teacher cache and jitted steps of one stage."""
+    """Data, models, objective, optimizer, teacher cache and jitted steps of one stage. The
+    run's config (`Run.config`) has its speed knobs made concrete (speed.resolve), recorded in
+    workdir/config.json."""
+    backend = speed.backend()
+    config, _ = speed.resolve(config, backend)   # the buckets weigh compilations
     mesh = make_mesh(config)
     # Data first: the task fixes the number of labels of the student head.
     data = build_data(config, workdir, resolve_model_path(config.teacher.path))
     models = build_models(config, data.num_labels, data.id2label)
     obj = build_objective(config, models.student_config, models.teacher_config)
     total = total_steps(config, data.train_batches.steps_per_epoch)
+    config, notes = speed.resolve(config, backend, run_facts(config, obj, data, total, mesh,
+                                                              workdir))
+    record_speed(workdir, speed.concrete(config))
     # Either cache is built by train.py (Run.ensure_cache), after the train step's programs are
     # queued for compiling: they compile while the teacher runs.
     cached, token_dtype = uses_teacher_cache(config, obj), None
     if not cached:
-        tokens, why = token_cache_plan(config, obj, data, total, workdir)
-        if obj.teacher_token_cacheable and config.teacher.cache_tokens != "never":
-            log.info("teacher per-token cache: %s (%s)", "yes" if tokens else "no", why)
+        tokens, why = teacher_training.token_cache_plan(config, obj, data, total, workdir)
+        if obj.teacher_token_cacheable and (config.teacher.cache_tokens != "never"
+                                            or "teacher.cache_tokens" in notes):
+            log.info("teacher per-token cache: %s (%s)", "yes" if tokens else "no",
+                     notes.get("teacher.cache_tokens", why))
         cached, token_dtype = tokens, (config.teacher.cache_dtype if tokens else None)
     if cached:
         def make(live=None, order=None):
-            return teacher_cache.build_for_training(models, obj, data, workdir, mesh,
+            return teacher_training.build_for_training(models, obj, data, workdir, mesh,
                                                     num_steps=total, token_dtype=token_dtype,
                                                     store=teacher_store.from_env(), live=live,
                                                     order=order)
 
         def builder(beside: bool = False):
-            if not (beside and builds_beside(config, lambda: teacher_cache.follows_steps(
-                    obj, data, token_dtype, total))):
+            if not (beside and config.teacher.cache_build == "beside"):
                 return make()
             # The order of the steps left, read here, before the steps move the batcher on from
             # the run's (restored) position.
@@ -677,7 +548,7 @@ def build_run(config, workdir: str) -> Run:
             return teacher_stream.StreamingCache(lambda live: make(live, order), token_dtype)
 
         def spec(batch):
-            return teacher_cache.lookup_spec(models, obj, batch, token_dtype)
+            return teacher_training.lookup_spec(models, obj, batch, token_dtype)
     else:
         builder = spec = None
     teacher = models.teacher if teacher_in_step(config, obj) and not cached else None

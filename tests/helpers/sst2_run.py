@@ -66,7 +66,7 @@ def main(root: str, glue_dir: str) -> None:
     p.optim.learning_rate = 3e-4
     p.train.update(num_steps=200, eval_every=100, log_every=10, checkpoint_every=1000)
     said = _Lines()
-    log = logging.getLogger("jax_tinybert.teacher.cache")
+    log = logging.getLogger("jax_tinybert.teacher")   # cache.py and training.py
     log.addHandler(said)
     log.setLevel(logging.INFO)
     try:

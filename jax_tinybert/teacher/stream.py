@@ -15,16 +15,22 @@ A prediction stage's cache of teacher logits is built so too where its pass is n
                                                                          order=order), dtype)
     batch.update(cache.lookup(batch["example_id"], seq_len=T))   # waits for its rows
     cache = cache.result()                                      # the finished TeacherCache
+
+`TokenCacheDrop` deletes a finished run's per-token cache in a thread beside the export.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+import jax
 import numpy as np
 
+from jax_tinybert import fs
 from jax_tinybert.teacher import cache as tc
+from jax_tinybert.teacher import training as tt
 
 
 class BuildStopped(Exception):
@@ -91,7 +97,7 @@ class Live:
         """The rows written so far as a `TeacherCache` (lookups of unwritten rows fail)."""
         p, tok = self.parts, self.parts["tokens"]
         return tc.TeacherCache.building(
-            p["folder"], p["num_examples"], tc._step_fields(dict(p["fields"]), self.token_dtype),
+            p["folder"], p["num_examples"], tt._step_fields(dict(p["fields"]), self.token_dtype),
             p["filled"], dict(self._files), tok.index if tok.names else None, tok.row_shapes)
 
     def close(self) -> None:
@@ -179,3 +185,41 @@ def steps_order(batcher, num_steps: int) -> Iterator[Tuple[int, np.ndarray]]:
     plan = batcher.epoch_plan(epoch)
     lens, rows = plan.seq_lens[pos:end].copy(), plan.rows[pos:end].copy()
     return iter([(int(t), r) for t, r in zip(lens, rows)])
+
+
+class TokenCacheDrop:
+    """Deletes a finished run's per-token teacher cache (GBs that only a resumed, unfinished
+    run reads again; the small logits / [CLS] caches stay) in a thread: freeing the pages of
+    MRPC's 2.45 GB took the main thread ~0.5 s after the last step. `finish()` waits and says
+    so; `wait()` only waits (a run that fails after its last step)."""
+
+    def __init__(self, cache):
+        self._thread, self._error, self._note = None, None, None
+        if cache is None or not cache.token_fields:
+            return
+        gb = sum(i["bytes"] for i in cache.meta["token_fields"].values()) / 1e9
+        self._note = (f"[teacher cache] removed the per-token cache {cache.path} ({gb:.2f} "
+                      "GB): the run is finished")
+        self._thread = threading.Thread(target=self._run, args=(cache,), daemon=True,
+                                        name="teacher-cache-drop")
+        self._thread.start()
+
+    def _run(self, cache) -> None:
+        try:
+            fs.rmtree(cache.path)
+            if cache.local_dir != cache.path:
+                shutil.rmtree(cache.local_dir, ignore_errors=True)
+            cache.close()   # the last maps of the deleted files: their pages are freed here
+        except BaseException as e:   # raised by finish(), in the run's thread
+            self._error = e
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def finish(self) -> None:
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        if self._note and jax.process_index() == 0:
+            print(self._note, flush=True)
