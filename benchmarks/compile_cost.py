@@ -141,6 +141,34 @@ def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int,
             "step_at_max_len_s": step_s, "bucket_in_steps": per_bucket / step_s}
 
 
+RECORD_KEY = ("stage", "dtype", "max_length")
+
+
+def record_rows(out: dict) -> list:
+    """The rows benchmarks/results keeps of a run (key RECORD_KEY): per stage, what one length
+    bucket's programs take to compile, the step at the longest length, and their ratio."""
+    rows = []
+    for r in out["stages"]:
+        rows.append({"stage": r["stage"], "dtype": r.get("dtype", "float32"),
+                     "max_length": r["rows"][-1]["T"], "batch": out["batch"],
+                     "compile_update_s": round(r["compile_update_s"], 2),
+                     "compile_per_bucket_s": round(r["compile_per_bucket_s"], 2),
+                     "step_s": round(r["step_at_max_len_s"], 3),
+                     "bucket_in_steps": round(r["bucket_in_steps"], 1)})
+    return rows
+
+
+def record(out: dict, command: str = None) -> str:
+    """Merge a run's rows into benchmarks/results/compile_cost-<machine>.json; the path."""
+    import results
+
+    meta = {"date": out["date"], "cpu": out["cpu"], "jax": out["jax"]}
+    if command:
+        meta["command"] = command
+    return results.record("compile_cost", results.machine_kind(), record_rows(out), RECORD_KEY,
+                          meta)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", default="finetune,intermediate,pred")
@@ -150,12 +178,15 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", default="")
+    p.add_argument("--record", action="store_true", help="merge the rows into benchmarks/results/")
     p.add_argument("--fused", action="store_true",
                    help="the one-program train step (train.split_update=never; default: always)")
     p.add_argument("--smoke", action="store_true", help="tiny random models (tests the wiring)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="both models' compute dtype (on a CPU, bfloat16 products)")
     a = p.parse_args(argv)
+    if a.record and a.smoke:
+        p.error("--record: a --smoke run times tiny models; record a real run")
     lengths = [int(x) for x in a.lengths.split(",")]
     if a.smoke:
         tiny = lambda n, d: BertConfig(vocab_size=128, hidden_size=d, num_hidden_layers=n,  # noqa
@@ -178,6 +209,8 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+    if a.record:
+        print(f"recorded {os.path.relpath(record(out))}")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ appeared. References, timed in the same run on the same machine, before and afte
     official epoch's steps (num_train // 32, last batch dropped), for the intermediate and the
     prediction stage. It is also timed between our processes (`--paired_steps` steps, default
     4), and each of our epochs is compared with the mean of the official step timed just before
-    and just after its process: these 2-core hosts drift (AMD EPYC Zen 3, session 33: the
-    official step 3.81 s at the start of an MRPC run, 2.74 s 20 minutes later; the matmul rate
-    132 then 178 GFLOP/s), and a reference timed 20 minutes away misstates the ratio by as much;
+    and just after its process: these 2-core hosts drift (an AMD EPYC Zen 3: the official step
+    3.81 s at the start of an MRPC run, 2.74 s 20 minutes later; the matmul rate 132 then 178
+    GFLOP/s), and a reference timed 20 minutes away misstates the ratio by as much;
   - teacher fine-tuning: a plain PyTorch/transformers loop of the same model (padded to the task
     length, AdamW + clip; benchmarks/torch_reference.py), median step x num_train // 32.
 
@@ -44,6 +44,8 @@ met by making our programs run faster, only by doing less work.
         --tasks sst2,mrpc --json epoch.json
     .venv/bin/python benchmarks/epoch.py ... --train_subset 4000     # quicker, smaller epochs
     .venv/bin/python benchmarks/epoch.py --render epoch.json          # the table again
+    .venv/bin/python benchmarks/epoch.py ... --record                 # into benchmarks/results/
+    .venv/bin/python benchmarks/epoch.py --render epoch.json --record # an earlier run's figures
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -69,7 +72,7 @@ REPO = os.path.dirname(_HERE)
 ANCHORS = os.path.join(REPO, "..", "shared", "anchors")
 TASK_DIRS = {"sst2": "SST-2", "mrpc": "MRPC"}
 LAYER_MAP_4_OF_6 = "[(0,0),(1,2),(2,3),(3,5),(4,6)]"
-# Targets of issue 12 (ours / reference, higher is better).
+# The speed targets (ours / reference, higher is better).
 TARGETS = {"pred": 6.0, "pred_standalone": 6.0, "intermediate": 3.0, "intermediate_later": 5.0, "finetune": 2.0,
            "step_vs_official": 1.5, "step_vs_torch": 1.0, "pct_matmul": 60.0}
 
@@ -432,7 +435,8 @@ def summarise(res: dict) -> List[dict]:
             ref_detail = f"{ref_name}: {n_off} x {ref_step:.3f} s{sides}"
             ref = ref_step * n_off
             r = ours[key]
-            row = {"task": task, "what": f"epoch: {label}", "ours_s": r["wall_s"],
+            row = {"task": task, "what": f"epoch: {label}", "measure": MEASURES[key],
+                   "ours_s": r["wall_s"],
                    "ours_detail": r.get("detail", f"{r['steps']} steps, whole process"),
                    "ref_s": ref, "ref_detail": ref_detail,
                    "ratio": ref / r["wall_s"], "target": TARGETS[key]}
@@ -452,18 +456,23 @@ def summarise(res: dict) -> List[dict]:
             gflop = rs[0]["gflop_per_step"]
             short = stage.replace("tinybert_", "")
             if off_key and off[off_key]:
-                rows.append({"task": task, "what": f"step {short}, T={t['seq']}", "ours_s": ours_s,
+                rows.append({"task": task, "what": f"step {short}, T={t['seq']}",
+                             "measure": f"{short} step, T {t['seq']}, vs official",
+                             "ours_s": ours_s,
                              "ours_detail": "", "ref_s": off[off_key], "ref_detail": "official",
                              "ratio": off[off_key] / ours_s,
                              "target": TARGETS["step_vs_official"]})
             if tor:
-                rows.append({"task": task, "what": f"step {short}, T={t['seq']}", "ours_s": ours_s,
+                rows.append({"task": task, "what": f"step {short}, T={t['seq']}",
+                             "measure": f"{short} step, T {t['seq']}, vs PyTorch",
+                             "ours_s": ours_s,
                              "ours_detail": "", "ref_s": tor, "ref_detail": "PyTorch reference",
                              "ratio": tor / ours_s, "target": TARGETS["step_vs_torch"]})
             if not peak:
                 continue
             pct = 100 * gflop * 1e9 / ours_s / peak
             rows.append({"task": task, "what": f"step {short}, T={t['seq']}: % of best matmul",
+                         "measure": f"{short} step, T {t['seq']}, % of best matmul",
                          "ours_s": ours_s, "ours_detail": f"{gflop / ours_s:.0f} GFLOP/s",
                          "ref_s": None, "ref_detail": f"best {_PEAK_NAME[bf16]} matmul "
                                                       f"{peak / 1e9:.0f} GFLOP/s",
@@ -472,6 +481,55 @@ def summarise(res: dict) -> List[dict]:
 
 
 _PEAK_NAME = {False: "fp32", True: "bf16"}
+# How benchmarks/results names each epoch row (summarise's keys of `ours`).
+MEASURES = {"finetune": "fine-tuning epoch", "intermediate": "intermediate, 1st epoch",
+            "intermediate_later": "intermediate, later epoch",
+            "pred": "prediction after intermediate", "pred_standalone": "prediction standalone"}
+RECORD_KEY = ("task", "dtype", "measure")
+
+
+def record_rows(res: dict) -> List[dict]:
+    """The rows benchmarks/results keeps of a run (results.record, key RECORD_KEY): each table
+    row's seconds, reference, ratio and target; an epoch with no reference (a GPU run, no
+    official loop) its wall time alone."""
+    dtype = res.get("dtype", "float32")
+    rows, seen = [], set()
+    for r in summarise(res):
+        pct = bool(r.get("pct"))
+        unit = "%" if pct else "x"
+        shown = _shown(r["ratio"], r["target"], 0 if pct else 2)
+        ours, ref = r["ours_s"], r.get("ref_s")
+        rows.append({"task": r["task"], "dtype": dtype, "measure": r["measure"],
+                     "ours_s": round(ours, 1 if ours > 10 else 3),
+                     "reference_s": None if ref is None else round(ref, 1 if ref > 10 else 3),
+                     "ratio": float(shown) if "." in shown else int(shown),
+                     "unit": unit, "target": f">= {r['target']:g}{unit}",
+                     "met": r["ratio"] >= r["target"],
+                     "ceiling": round(r["ceiling"], 2) if "ceiling" in r else None})
+        seen.add((r["task"], r["measure"]))
+    for task, t in res["tasks"].items():
+        for stage, o in t.get("ours", {}).items():
+            if stage in MEASURES and (task, MEASURES[stage]) not in seen:
+                rows.append({"task": task, "dtype": dtype, "measure": MEASURES[stage],
+                             "ours_s": round(o["wall_s"], 1), "reference_s": None, "ratio": None,
+                             "unit": None, "target": None, "met": None, "ceiling": None})
+    return rows
+
+
+def record(res: dict) -> str:
+    """Merge a run's figures into benchmarks/results/epoch-<machine>.json; returns the path."""
+    import results
+
+    m = res["machine"]
+    meta = {"date": res["date"][:16].replace("T", " ") + " UTC",
+            "command": results.command_line(shlex.split(res["command"]),
+                                            drop=("--json", "--record", "--scratch")),
+            "cpu": f"{m['cpu']} (family {m.get('cpu_family')} model {m.get('cpu_model')}, "
+                   f"{m['nproc']} cores)"}
+    if m.get("device"):
+        meta["device"] = m["device"]
+    kind = results.kind_of(m["cpu"], m.get("cpu_family"), m.get("cpu_model"), m.get("device"))
+    return results.record("epoch", kind, record_rows(res), RECORD_KEY, meta)
 
 
 def best_matmul(t: dict, dtype: str) -> Optional[float]:
@@ -605,9 +663,15 @@ def machine() -> dict:
     cpu = ids.get("model name") or platform.processor()
     flags = ids.get("flags", "").split()
     feats = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return {"cpu": cpu, "cpu_family": ids.get("cpu family"), "cpu_model": ids.get("model"),
-            "nproc": os.cpu_count(), "features": feats, "python": platform.python_version(),
-            "allocator": malloc.allocator(_env())}
+    out = {"cpu": cpu, "vendor_id": ids.get("vendor_id"), "cpu_family": ids.get("cpu family"),
+           "cpu_model": ids.get("model"), "nproc": os.cpu_count(), "features": feats,
+           "python": platform.python_version(), "allocator": malloc.allocator(_env())}
+    import results
+
+    gpu = results.gpu_name()   # the CLI runs on it
+    if gpu:
+        out["device"] = gpu
+    return out
 
 
 def parse_args(argv=None):
@@ -651,6 +715,8 @@ def parse_args(argv=None):
                         "the references stay float32")
     p.add_argument("--json", default="", help="write every measurement here")
     p.add_argument("--render", default="", metavar="JSON", help="print the table of a --json")
+    p.add_argument("--record", action="store_true",
+                   help="merge the figures into benchmarks/results/ (with --render: that run's)")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.stages = [s for s in args.stages.split(",") if s]
@@ -680,7 +746,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.render:
         with open(args.render) as fh:
-            print(render(json.load(fh)))
+            res = json.load(fh)
+        print(render(res))
+        if args.record:
+            print(f"recorded {os.path.relpath(record(res))}")
         return
     os.makedirs(args.scratch, exist_ok=True)
     cache = os.path.join(args.scratch, "xla_cache")
@@ -733,6 +802,8 @@ def main(argv=None):
         res["load_end"] = _loadavg()
         _write_json(args.json, res)
     print(render(res))
+    if args.record:
+        print(f"recorded {os.path.relpath(record(res))}")
 
 
 def _write_json(path: str, res: dict) -> None:

@@ -379,11 +379,26 @@ def _table(rows, cols):
     return "\n".join(out)
 
 
+def record_rows(k, d, b, c) -> list:
+    """One row per section for benchmarks/results (key: section): cases run and cases that
+    ended as they must (survived, detected or harmless, refused, refused then resumed)."""
+    return [{"section": name, "cases": len(rows), "as_required": sum(bool(r[ok]) for r in rows),
+             "required": want}
+            for name, rows, ok, want in (
+                ("kills", k, "survived", "the rerun resumes and ends bit-identical"),
+                ("checkpoint damage", d, "detected", "detected by the digests, or harmless"),
+                ("bad values", b, "refused", "exit 2, one line, nothing written"),
+                ("clashes", c, "handled", "refused in one line, then resumed once fixed"))
+            if rows]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=4, help="killed runs (alternating -9 / TERM)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--record", action="store_true",
+                    help="merge the sections' counts into benchmarks/results/")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--sections", default="kills,damage,bad,clashes",
                     help="comma-separated subset of kills,damage,bad,clashes (damage needs "
@@ -419,6 +434,12 @@ def main():
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"kills": k, "damage": d, "bad_values": b, "clashes": c}, fh, indent=1)
+    if a.record:
+        import results
+
+        path = results.record("fault_injection", results.machine_kind(),
+                              record_rows(k, d, b, c), ("section",))
+        print(f"recorded {os.path.relpath(path)}")
 
 
 if __name__ == "__main__":

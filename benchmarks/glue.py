@@ -496,6 +496,38 @@ def cpu_rows(args, task: str, res: Dict[str, dict]) -> List[dict]:
     return rows
 
 
+RECORD_KEY = ("task", "dtype", "model")
+
+
+def record_rows(rows: List[dict], dtype: str) -> List[dict]:
+    """The rows benchmarks/results keeps of results.json rows (key RECORD_KEY): each model's dev
+    score, its share of the teacher's and its stages' wall time."""
+    teacher = {r["task"]: r["dev"] for r in rows if r["model"] == "teacher"}
+    out = []
+    for r in rows:
+        t, dev = teacher.get(r["task"]), r["dev"]
+        out.append({"task": r["task"], "dtype": dtype, "model": r["model"],
+                    "metric": r["metric"], "dev": None if dev is None else round(dev, 4),
+                    "pct_of_teacher": None if dev is None or not t else round(100 * dev / t, 1),
+                    "wall_s": round(r["wall_s"]) if r["wall_s"] else None})
+    return out
+
+
+def cpu_rows_of(rows: List[dict], task: str) -> List[dict]:
+    from jax_tinybert.data import glue
+
+    name = glue.get_task(task).dir_name
+    return [r for r in rows if r["task"] == name]
+
+
+def record(args, rows: List[dict]) -> str:
+    """Merge one task's rows into benchmarks/results/glue-<machine>.json; returns the path."""
+    import results
+
+    return results.record("glue", results.machine_kind(results.gpu_name()),
+                          record_rows(rows, args.dtype), RECORD_KEY)
+
+
 def cpu_table(rows: List[dict], res_by_task: Dict[str, dict]) -> str:
     L = ["GLUE dev (full dev sets), budget `cpu`: teacher = packaged all-MiniLM-L6-v2 fine-tuned; "
          "every student = 3 layers, d 384 (init: the fine-tuned teacher's layers given in the "
@@ -546,6 +578,8 @@ def main_cpu(args, tasks: List[str]) -> str:
         names = {r["task"] for r in rows}
         kept = [r for r in kept if r["task"] not in names]
         _write_json(path, kept + rows)  # after every task, so a long run shows what is done
+        if args.record:
+            print(f"recorded {os.path.relpath(record(args, cpu_rows_of(rows, task)))}", flush=True)
         _write_json(os.path.join(args.workdir, "stages.json"), res_by_task)
     table = cpu_table(rows, res_by_task)
     table += f"\n\nTotal wall time of this invocation: {time.time() - t0:.0f} s."
@@ -777,6 +811,8 @@ def main(argv=None) -> str:
     ap.add_argument("--no_compile_cache", action="store_true",
                     help="do not use a persistent XLA compilation cache in <workdir>/jax_cache")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--record", action="store_true",
+                    help="budget cpu: merge each task's rows into benchmarks/results/ as it ends")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="compute dtype of every stage's teacher and student (default float32); "
                     "bfloat16 on a CPU with AMX (or an AMD one with AVX512-BF16): bf16 products, "
@@ -805,6 +841,8 @@ def main(argv=None) -> str:
                     help="budget cpu: the intermediate stage's layer map, one of uniform, top, "
                     f"bottom, ... or explicit pairs (default {CPU['inter_layer_map']})")
     args = ap.parse_args(argv)
+    if args.record and args.budget != "cpu":
+        ap.error("--record: only the full-data recipe (--budget cpu) is kept in benchmarks/results")
     if args.budget == "cpu" and (args.teacher != "packaged" or args.student != STUDENT):
         ap.error("--teacher / --student: budget cpu is sized for the packaged MiniLM (its students "
                  "start from that teacher's layers 2, 4, 6); use them with --budget small, hour "

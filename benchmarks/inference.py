@@ -80,6 +80,24 @@ def time_forward(cfg, params, batch: int, seq_len: int, repeats: int):
     return statistics.median(times), min(times)
 
 
+RECORD_KEY = ("model", "length")
+
+
+def record_rows(rows: list) -> list:
+    """The rows benchmarks/results keeps (key RECORD_KEY): medians, and each model's speed-up
+    over the largest teacher at its length (batch-1 latency, batch-32 time)."""
+    ref = {}
+    for r in rows:
+        if r["role"] == "teacher" and r["params"] > ref.get(r["length"], {}).get("params", -1):
+            ref[r["length"]] = r
+    return [{"model": r["model"], "length": r["length"], "params": r["params"],
+             "batch1_ms": round(r["latency_ms"], 2), "batch32_ms": round(r["batch_ms"], 1),
+             "examples_per_s": round(r["throughput"]),
+             "speedup_batch1": round(ref[r["length"]]["latency_ms"] / r["latency_ms"], 2),
+             "speedup_batch32": round(ref[r["length"]]["batch_ms"] / r["batch_ms"], 2)}
+            for r in rows]
+
+
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="64,128")
@@ -88,9 +106,12 @@ def main(argv=None) -> str:
     ap.add_argument("--smoke", action="store_true", help="tiny random models (CI)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
+    ap.add_argument("--record", action="store_true", help="merge the rows into benchmarks/results/")
     ap.add_argument("--from_json", default=None,
                     help="render the table from the raw numbers of an earlier run (no timing)")
     args = ap.parse_args(argv)
+    if args.record and (args.smoke or args.from_json):
+        ap.error("--record: only a timed run of the real models is kept")
     lengths = [int(x) for x in args.lengths.split(",") if x]
     models = SMOKE if args.smoke else MODELS
     B = args.throughput_batch
@@ -142,6 +163,12 @@ def main(argv=None) -> str:
     if args.json and not args.from_json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+    if args.record:
+        import results
+
+        path = results.record("inference", results.machine_kind(), record_rows(rows), RECORD_KEY,
+                              {"jax": jax.__version__})
+        print(f"recorded {os.path.relpath(path)}", file=sys.stderr)
     return table
 
 

@@ -40,12 +40,29 @@ def best_seconds(f, *args, repeats: int) -> float:
     return best
 
 
+RECORD_KEY = ("m", "k", "n")
+
+
+def record(res: dict) -> str:
+    """Merge a run's rows into benchmarks/results/matmul_dtypes-<machine>.json; the path."""
+    import results
+
+    rows = [{"m": r["m"], "k": r["k"], "n": r["n"], "f32_gflop_s": round(r["f32_gflop_s"]),
+             "bf16_gflop_s": round(r["bf16_gflop_s"]),
+             "bf16_over_f32": round(r["bf16_gflop_s"] / r["f32_gflop_s"], 2)}
+            for r in res["rows"]]
+    meta = {"cpu": res["cpu"], "jax": res["jax"],
+            "note": f"cpu.fast_bf16() says: {res['cpu_fast_bf16']}."}
+    return results.record("matmul_dtypes", results.machine_kind(), rows, RECORD_KEY, meta)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--shapes", default="",
                     help="comma list of MxKxN (default: 2048^3 and the train step's dense shapes)")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--record", action="store_true", help="merge the rows into benchmarks/results/")
     ap.add_argument("--cpuinfo", default=PROC_CPUINFO,
                     help="read the CPU's name and the bf16 rule's answer from this copy of "
                          "/proc/cpuinfo (the timings are always this machine's)")
@@ -76,10 +93,14 @@ def main(argv=None) -> int:
                                   repeats=args.repeats) / 1e9
         rows.append({"m": m, "k": k, "n": n, "f32_gflop_s": g32, "bf16_gflop_s": g16})
         print(f"| {m} x {k} x {n} | {g32:.0f} | {g16:.0f} | {g16 / g32:.2f}x |", flush=True)
+    res = {"cpu": name, "jax": jax.__version__, "cpu_fast_bf16": rule, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": name, "jax": jax.__version__,
-                       "cpu_fast_bf16": rule, "rows": rows}, f, indent=1)
+            json.dump(res, f, indent=1)
+    if args.record:
+        if args.cpuinfo != PROC_CPUINFO:
+            ap.error("--record: --cpuinfo names another CPU than the one timed")
+        print(f"recorded {os.path.relpath(record(res))}")
     return 0
 
 

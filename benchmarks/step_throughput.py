@@ -779,6 +779,51 @@ def _bench_one(args, stage, tname, tlabel, tweights, tcfg, tparams, sname, scfg,
     return row
 
 
+RECORD_KEY = ("stage", "teacher", "student", "length", "batch", "dtype")
+
+
+def record_rows(out: dict) -> list:
+    """The rows benchmarks/results keeps of a run (results.record, key RECORD_KEY). A step's
+    time is the pipelined one where measured (accelerators)."""
+    rows = []
+    for r in out["results"]:
+        if r.get("error"):
+            continue
+        s = r.get("pipelined_s_per_step") or r["s_per_step"]
+        t = r.get("torch_pipelined_s_per_step") or r.get("torch_s_per_step")
+        ms = lambda x: None if x is None else round(1000 * x, 2 if x < 0.1 else 1)  # noqa: E731
+        rows.append({"stage": STAGE_SHORT.get(r["stage"], r["stage"]), "teacher": r["teacher"],
+                     "student": r["student"], "length": r["length"], "batch": r["batch_size"],
+                     "dtype": r["dtype"], "ms_per_step": ms(s),
+                     "examples_per_s": round(r["examples_per_s"]),
+                     "gflop_per_step": round(r["gflop_per_step"], 1),
+                     "pct_of_matmul": round(r["pct_peak"], 1),
+                     "mfu_pct": None if r.get("mfu_nominal") is None
+                     else round(100 * r["mfu_nominal"], 1),
+                     "torch_ms_per_step": ms(t),
+                     "speedup_vs_torch": None if not r.get("jax_over_torch")
+                     else round(r["jax_over_torch"], 2)})
+    return rows
+
+
+def record(out: dict) -> str:
+    """Merge a run's rows into benchmarks/results/step_throughput-<machine>.json; the path."""
+    import shlex
+
+    import results
+
+    m = out["machine"]
+    device = m.get("device_kind") if m.get("backend") not in (None, "cpu") else None
+    meta = {"date": out["date"][:16].replace("T", " "),
+            "command": results.command_line(shlex.split(out["command"])[1:]),
+            "cpu": f"{m['cpu']} (family {m.get('cpu_family')} model {m.get('cpu_model')}, "
+                   f"{m['nproc']} cores)", "jax": m.get("jax")}
+    if device:
+        meta["device"] = m.get("nvidia_smi") or device
+    kind = results.kind_of(m["cpu"], m.get("cpu_family"), m.get("cpu_model"), device)
+    return results.record("step_throughput", kind, record_rows(out), RECORD_KEY, meta)
+
+
 def _csv(s):
     return [x for x in s.split(",") if x]
 
@@ -831,7 +876,11 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--render", nargs="+", default=None, metavar="JSON",
                    help="print the markdown tables of earlier --json outputs and exit")
+    p.add_argument("--record", action="store_true",
+                   help="merge the figures into benchmarks/results/ (with --render: those runs')")
     args = p.parse_args(argv)
+    if args.record and args.smoke:
+        p.error("--record: a --smoke run times tiny models; record a real run")
     long = {v: k for k, v in STAGE_SHORT.items()}
     if args.stages == ["all"] or args.smoke:
         args.stages = list(STAGES)
@@ -857,12 +906,17 @@ def main(argv=None):
     args = parse_args(argv)
     if args.render:
         print(render(args.render))
+        for path in args.render if args.record else ():
+            with open(path) as fh:
+                print(f"recorded {os.path.relpath(record(json.load(fh)))}")
         return
     out = run(args)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
         print(f"wrote {args.json}")
+    if args.record:
+        print(f"recorded {os.path.relpath(record(out))}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,23 @@ def _teacher(path, num_labels):
     return cfg, params, path
 
 
+def record(res: dict) -> str:
+    """Merge a run into benchmarks/results/teacher_pass-<machine>.json (key: task); the path."""
+    import results
+
+    secs = {k: min(v) for k, v in res["seconds"].items()}   # the best round: no compile
+    row = {"task": res["task"], "examples": res["num_examples"],
+           "buckets": ",".join(map(str, res["buckets"])),
+           "bucketed_tokens": res["bucketed_tokens"], "packed_tokens": res["packed_tokens"] or None,
+           "bucketed_s": round(secs["bucketed"], 1),
+           "packed_s": round(secs["packed"], 1) if "packed" in secs else None,
+           "speedup": round(secs["bucketed"] / secs["packed"], 2) if "packed" in secs else None}
+    m = res["machine"]
+    meta = {"date": res["date"][:16].replace("T", " ") + " UTC",
+            "cpu": f"{m.get('model name')} (family {m.get('cpu family')} model {m.get('model')})"}
+    return results.record("teacher_pass", results.machine_kind(), [row], ("task",), meta)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="sst2")
@@ -67,7 +84,10 @@ def main(argv=None):
     p.add_argument("--train_subset", type=int, default=0, help="first N examples (0: all)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--record", action="store_true", help="merge the run into benchmarks/results/")
     args = p.parse_args(argv)
+    if args.record and args.train_subset:
+        p.error("--record: a --train_subset run is a check of the wiring; record the whole set")
 
     from jax_tinybert.data import glue
     spec = glue.get_task(args.task)
@@ -141,6 +161,8 @@ def main(argv=None):
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)
         print(f"wrote {args.json}")
+    if args.record:
+        print(f"recorded {os.path.relpath(record(res))}")
     return res
 
 
