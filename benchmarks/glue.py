@@ -293,12 +293,12 @@ CPU = dict(
     # All students start from the fine-tuned teacher's layers 2, 4, 6 (3 layers, d 384), the
     # layers the uniform map asks them to imitate: with layers 1-3 the intermediate stage has to
     # move every layer far from its init and TinyBERT ended at 0.688 STS-B corr against 0.816
-    # from (2, 4, 6) (RESULTS.md, "Student init and layer map"). Not general distillation: see
-    # RESULTS.md for why not on this budget.
+    # from (2, 4, 6) (benchmarks/RESULTS.md#the-recipes-accuracy-choices). Not general
+    # distillation: 400 steps of it gave a student no better than this init, at a cost.
     init_layers=(2, 4, 6),
     lr=dict(teacher=5e-5, inter=5e-5, pred=5e-5, kd=5e-5, pkd=5e-5, labels=5e-5),
     # Per-task overrides of `lr` (measured: MRPC's teacher 0.836 at 1e-4 against 0.827 at 5e-5
-    # and 0.791 at 2e-4, 5 epochs; RESULTS.md).
+    # and 0.791 at 2e-4, 5 epochs; benchmarks/RESULTS.md#the-recipes-accuracy-choices).
     task_lr=dict(mrpc=dict(teacher=1e-4)),
     da_K=15, da_p=0.4,
     # The student is as wide as the teacher (384): its hidden states are matched to the
@@ -306,7 +306,7 @@ CPU = dict(
     # and the copied pooler + head still fit after the intermediate stage. With 'shared'
     # (the official fit_dense) STS-B's student ended at CLS cosine 0.23 to the teacher, its
     # head output collapsed (std 0.07), and the prediction stage reached 0.545 against 0.813
-    # for labels-only (RESULTS.md, STS-B).
+    # for labels-only (benchmarks/RESULTS.md#the-recipes-accuracy-choices).
     inter_projection="none",
     # The intermediate stage's student -> teacher layer map (a name of layer_maps.NAMES or
     # explicit pairs, --layer_map) and the teacher layers the students start from (--init_layers).

@@ -7,6 +7,8 @@
 #   benchmarks/gpu_check.sh prepare        # here: fills .gpu/ (~52 MB; add /.gpu/ to .git/info/exclude)
 #   benchmarks/gpu_check.sh run            # there, through the device tool with carry [".gpu"];
 #                                          # files land in $OUT (default benchmarks/out/gpu)
+#   python benchmarks/results.py merge DIR/results/*.json   # here: its figures into
+#                                          # benchmarks/results/ (DIR: where $OUT's files came back)
 #   benchmarks/gpu_check.sh ab 'A' 'B' ... # there: SST-2's intermediate stage (2 epochs), once per
 #                                          # set of --config overrides, each compiling afresh
 #
@@ -18,6 +20,7 @@
 #      process each, through benchmarks/epoch.py's phases, no XLA_FLAGS set: the logs must say
 #      "fast compile", one bucket, and no per-token cache;
 #   2. step throughput at T 128, B 32 / 256, float32 and bf16 (MFU).
+# Steps 1 and 2 record their figures into $OUT/results/ (benchmarks/results.py), for the merge.
 # Environment: SUB=N (train subset; 0 = all), T1/T2 (timeouts of steps 1 and 2, s), GLUE_DIR (prepare),
 # PARTS (which of run's steps, default "0 1 2"), DTYPE (step 1's compute dtype: float32 or bfloat16).
 set -u
@@ -55,6 +58,7 @@ fi
 OUT=${OUT:-benchmarks/out/gpu}
 L=$OUT/logs   # packed into $OUT/logs.tgz at the end: the device tool brings back 8 files at most
 mkdir -p "$L"
+export JTB_RESULTS_DIR=$OUT/results   # what --record writes; merged here by benchmarks/results.py
 PY=${PYTHON:-python3}
 if ls "$G"/whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -114,9 +118,9 @@ PARTS=${PARTS:-0 1 2}
 DTYPE=${DTYPE:-float32}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 part 0 && {
-echo "== 0: tokenizing SST-2's train set (10 s on an H200's host in session 28, 1.5 s on a 2-core Xeon)" \
+echo "== 0: tokenizing SST-2's train set (10 s on an H200's 16-core host with one malloc arena, 1.5 s on a 2-core Xeon)" \
     | tee -a "$OUT/log"
-# The last: all threads in one malloc arena, as the CLI ran before session 31 (jax_tinybert/speed/malloc.py).
+# The last: all threads in one malloc arena, as glibc runs under MALLOC_ARENA_MAX=1 (jax_tinybert/speed/malloc.py).
 for n in "" 1 4 arena1; do
   one=(); [[ $n == arena1 ]] && { one=(MALLOC_ARENA_MAX=1); n=; }
   env "${one[@]}" RAYON_NUM_THREADS=$n timeout 120 "$PY" - "$PWD/$G/glue" "$T" <<'EOF' 2>&1 | tail -1 | tee -a "$OUT/log"
@@ -144,7 +148,7 @@ W=/tmp/jtb_gpu_check
 rm -rf $W
 timeout "${T1:-500}" "$PY" benchmarks/epoch.py --tasks sst2 --glue_dir "$PWD/$G/glue" \
     --teacher_path $T --train_subset "$SUB" --dtype "$DTYPE" --no_step_bench --no-standalone_pred \
-    --scratch $W --json "$OUT/epoch.json" --override=--config.teacher.path=$T \
+    --scratch $W --json "$OUT/epoch.json" --record --override=--config.teacher.path=$T \
     --override=--config.teacher.cache_tokens=auto > "$L/epoch.log" 2>&1
 echo "rc $?" | tee -a "$OUT/log"
 grep -E "^  ours|^- sst2" "$L/epoch.log" | tee -a "$OUT/log"
@@ -161,7 +165,7 @@ for d in float32 bfloat16; do
   XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T2:-120}" \
       "$PY" benchmarks/step_throughput.py --dtype $d --random-teacher --teachers minilm \
       --students tinybert4 --stages intermediate,pred --lengths 128 --batch-size 32,256 \
-      --no-torch --steps 5 --json "$OUT/step_$d.json" > "$L/step_$d.log" 2>&1
+      --no-torch --steps 5 --json "$OUT/step_$d.json" --record > "$L/step_$d.log" 2>&1
   echo "rc $? ($d)" | tee -a "$OUT/log"
   grep -E "^\| minilm" "$L/step_$d.log" | tee -a "$OUT/log"
 done

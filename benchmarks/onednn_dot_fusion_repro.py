@@ -3,7 +3,7 @@
 
     XLA_FLAGS="--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot"
 
-lifts a plain fp32 matmul (issue 12: 2048x1200x312 from 132 to 217 GFLOP/s on an Intel Xeon),
+lifts a plain fp32 matmul (2048x1200x312 from 132 to 217 GFLOP/s on one Intel Xeon),
 but a full train step then dies with SIGILL. The op: a `dot` whose operand is computed inside
 the same jitted function (an elementwise op, a transpose of another dot, ...). oneDNN's graph
 partition for that fusion fails to compile ("partition compile failed" on stderr) and the

@@ -41,7 +41,8 @@ OPT = dict(name="adamw", learning_rate=5e-5, schedule="warmup_linear", warmup_ra
 
 
 def optax_update(schedule):
-    """The update as optax's pieces write it (the project's before session 23)."""
+    """The update as optax's pieces write it (the project's own before it read gradients in
+    place: benchmarks/RESULTS.md#optimizer-update)."""
     def zero_pad(g):
         def fix(path, x):
             return x.at[0].set(0) if optim._is_word_embedding(path, x) else x

@@ -363,7 +363,7 @@ def _numeric(v) -> bool:
 
 def parse_options(text: str, where: str = "marker") -> Dict[str, str]:
     """A marker's `key=value` options (shell quoting for values with spaces)."""
-    allowed = ("machines", "where", "cols", "pivot", "rows", "cell")
+    allowed = ("machines", "where", "order", "cols", "pivot", "rows", "cell")
     out = {}
     try:
         words = shlex.split(text)
@@ -399,6 +399,15 @@ def _selected(files: List[dict], opts: Mapping[str, str]) -> List[dict]:
         for r in f["rows"]:
             if all(show(r.get(k)) == v for k, _, v in where):
                 rows.append(dict(r, machine=f["machine"], _run=runs[r["run"]]))
+    # order=field:a/b/...: within each machine, rows with those values first and in that order
+    # (a stable sort), so that a table does not follow the order its rows were recorded in.
+    orders = []
+    for spec in (o for o in opts.get("order", "").split(",") if o):
+        field, _, values = spec.partition(":")
+        orders.append((field, {v: i for i, v in enumerate(values.split("/"))}))
+    mrank = {f["machine"]: i for i, f in enumerate(picked)}
+    rows.sort(key=lambda r: [mrank[r["machine"]]] + [rank.get(show(r.get(field)), len(rank))
+                                                      for field, rank in orders])
     return rows
 
 

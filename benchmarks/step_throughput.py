@@ -30,7 +30,7 @@ maximum), XLA's per-step memory (memory_analysis) and, for PyTorch (moved to the
 `--torch-matmul-precision`, default "high" = TF32 there), `torch.cuda.max_memory_allocated`.
 Compile time on a GPU: XLA's default flags autotune Triton GEMM fusions, ~2 minutes per step
 shape on an H100; XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" cuts
-that to ~20 s at up to 15% lower speed (benchmarks/RESULTS.md, the H100 section).
+that to ~20 s at up to 15% lower speed (benchmarks/RESULTS.md#on-a-gpu).
 Without the packaged MiniLM teacher (e.g. on a bare GPU machine) `minilm` falls back to random
 weights of its shape (printed; timing does not depend on the values); `--random-teacher` forces it.
 The script re-executes itself with the CLI's allocator (jax_tinybert/speed/malloc.py: tcmalloc preloaded where

@@ -3,7 +3,7 @@
 
 XLA's CPU backend can run the step's dots through YNNPACK (jaxlib 0.10's default), Eigen,
 XNNPACK or oneDNN, chosen by XLA_FLAGS before JAX starts, and which is fastest depends on the
-CPU (issue 12: MKL beat XLA's matmul on one Intel Xeon, lost to it on an AMD EPYC). This script
+CPU (MKL beat XLA's matmul on one Intel Xeon and lost to it on an AMD EPYC). This script
 times the real train step (benchmarks/step_throughput.py: MiniLM-L6 teacher, 4L-312 student,
 batch 32, student dropout on, no PyTorch) under each setting in its own child process, the
 settings alternating round by round so that the host's drift hits all of them alike, and prints

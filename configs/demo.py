@@ -41,6 +41,7 @@ def get_config(arg: str = ""):
     c.demo_steps = dict(teacher=120, general=150, intermediate=150, pred=120)
     # pred 5e-4: at 2e-4 the 120 prediction steps left seed 0's student at chance for 60 steps
     # and at 0.8775 in the end (seeds 0-2: 0.8775 / 0.9525 / 0.9400); at 5e-4, seeds 0-3 reach
-    # 0.9925 / 0.9925 / 0.9750 / 0.9525 in the same time (benchmarks/RESULTS.md#what-we-tried).
+    # 0.9925 / 0.9925 / 0.9750 / 0.9525 in the same time
+    # (benchmarks/RESULTS.md#the-recipes-accuracy-choices).
     c.demo_lr = dict(teacher=5e-5, general=5e-4, intermediate=2e-4, pred=5e-4)
     return c
