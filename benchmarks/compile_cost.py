@@ -165,8 +165,8 @@ def record(out: dict, command: str = None) -> str:
     meta = {"date": out["date"], "cpu": out["cpu"], "jax": out["jax"]}
     if command:
         meta["command"] = command
-    return results.record("compile_cost", results.machine_kind(), record_rows(out), RECORD_KEY,
-                          meta)
+    kind = results.machine_kind(jax.devices()[0].device_kind)
+    return results.record("compile_cost", kind, record_rows(out), RECORD_KEY, meta)
 
 
 def main(argv=None):

@@ -166,8 +166,8 @@ def main(argv=None) -> str:
     if args.record:
         import results
 
-        path = results.record("inference", results.machine_kind(), record_rows(rows), RECORD_KEY,
-                              {"jax": jax.__version__})
+        path = results.record("inference", results.machine_kind(jax.devices()[0].device_kind),
+                              record_rows(rows), RECORD_KEY, {"jax": jax.__version__})
         print(f"recorded {os.path.relpath(path)}", file=sys.stderr)
     return table
 

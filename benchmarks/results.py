@@ -167,22 +167,23 @@ def cpu_description(info: Optional[Mapping[str, str]] = None) -> str:
 
 
 def command_line(argv: Optional[Sequence[str]] = None,
-                 drop: Iterable[str] = ("--json", "--record")) -> str:
+                 drop: Iterable[str] = ("--json", "--record"),
+                 switches: Iterable[str] = ("--record",)) -> str:
     """The command a benchmark ran as, `python benchmarks/x.py ...`, without the options that
-    only say where its output went (`drop`, each with its value unless it is a switch)."""
+    only say where its output went (`drop`; each with its value, but `switches` take none)."""
     argv = list(sys.argv if argv is None else argv)
     script = argv[0] if argv else "?"
     if os.path.isfile(script):
         script = os.path.relpath(os.path.abspath(script), REPO)
     out, skip = [], False
-    drop = tuple(drop)
+    drop, switches = tuple(drop), tuple(switches)
     for a in argv[1:]:
         if skip:
             skip = False
             continue
         name = a.split("=", 1)[0]
         if name in drop:
-            skip = "=" not in a and name != "--record"
+            skip = "=" not in a and name not in switches
             continue
         out.append(a)
     return " ".join(["python", script] + [_quote(a) for a in out])

@@ -85,7 +85,7 @@ def test_torch_reference_losses_match_minilm(stage, student, minilm):
     _check(*_losses(stage, tcfg, tparams, scfg, batch))
 
 
-def test_step_throughput_smoke(tmp_path):
+def test_step_throughput_smoke(tmp_path, monkeypatch):
     out = tmp_path / "smoke.json"
     env = {k: v for k, v in os.environ.items() if k != "JTB_BENCH_REEXEC"}
     proc = subprocess.run([sys.executable, str(BENCH / "step_throughput.py"), "--smoke",
@@ -106,6 +106,17 @@ def test_step_throughput_smoke(tmp_path):
     rows = [x for x in proc.stdout.splitlines() if x.startswith("| tiny |")]
     assert [x.split("|")[3].strip() for x in rows[:len(st.STAGES)]] == \
         [s.replace("tinybert_", "") for s in st.STAGES]
+    # --record's rows, from the same output: one per step, under this CPU's kind.
+    monkeypatch.setenv("JTB_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("JTB_MACHINE_KIND", "cpu-test")
+    kept = json.loads(pathlib.Path(st.record(res)).read_text())
+    assert kept["machine"] == "cpu-test" and kept["key"] == list(st.RECORD_KEY)
+    assert [r["stage"] for r in kept["rows"]] == [st.STAGE_SHORT[s] for s in st.STAGES]
+    assert all(r["ms_per_step"] > 0 and r["speedup_vs_torch"] > 0 for r in kept["rows"])
+    assert kept["runs"][0]["command"].startswith("python benchmarks/step_throughput.py --smoke")
+    proc = subprocess.run([sys.executable, str(BENCH / "step_throughput.py"), "--smoke",
+                           "--record"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--record: a --smoke run times tiny models" in proc.stderr
 
 
 def test_compile_cost_smoke(tmp_path):

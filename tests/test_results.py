@@ -191,6 +191,51 @@ def test_command_line_leaves_out_where_the_output_went():
         "python benchmarks/epoch.py --tasks mrpc '--override=--config.a=[(0,0)]'"
 
 
+def _epoch_run(device=None):
+    run = lambda wall, steps: {"wall_s": wall, "cpu_s": 2 * wall, "steps": steps,  # noqa: E731
+                               "marks": {}, "load_before": 1.0, "load_after": 1.0}
+    steps = [{"stage": "tinybert_pred", "s_per_step": 0.5, "torch_s_per_step": 0.6,
+              "gflop_per_step": 100.0}]
+    task = {"num_train": 3200, "train_subset": 0, "seq": 64,
+            "official": [{"prediction": 0.8, "intermediate": 0.9}] if not device else [],
+            "step_bench": [] if device else [{"results": steps,
+                                               "matmul_peak": {"jax_flop_s": 300e9}}],
+            "ours": {"finetune": run(100.0, 100), "pred": run(25.0, 99)}}
+    machine = {"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17", "nproc": 2}
+    if device:
+        machine["device"] = device
+    return {"date": "2026-01-02T03:04:05+00:00", "machine": machine, "dtype": "float32",
+            "command": "benchmarks/epoch.py --tasks sst2 --json e.json --scratch /tmp/s --record",
+            "load_start": 1.0, "load_end": 1.0, "tasks": {"sst2": task}}
+
+
+def test_epoch_records_the_rows_of_its_table(tmp_path, monkeypatch):
+    """benchmarks/epoch.py --record: a row per row of its table (the ratio as the table shows
+    it), under the machine kind of the run's CPU; a GPU run, with no reference timed there,
+    keeps its epochs' wall times under the GPU's kind."""
+    import epoch
+
+    monkeypatch.setenv("JTB_RESULTS_DIR", str(tmp_path))
+    monkeypatch.delenv("JTB_MACHINE_KIND", raising=False)
+    path = epoch.record(_epoch_run())
+    assert pathlib.Path(path).name == "epoch-cpu-zen4.json"
+    data = json.loads(pathlib.Path(path).read_text())
+    rows = {r["measure"]: r for r in data["rows"]}
+    table = {r["measure"] for r in epoch.summarise(_epoch_run())}
+    assert set(rows) == table | {"fine-tuning epoch"}   # no PyTorch loop timed: its wall alone
+    pred = rows["prediction after intermediate"]
+    assert (pred["reference_s"], pred["ratio"], pred["unit"], pred["target"], pred["met"]) == \
+        (80.0, 3.2, "x", ">= 6x", False)   # 100 official steps of 0.8 s against 25 s
+    assert rows["pred step, T 64, % of best matmul"]["ratio"] == 67   # 200 of 300 GFLOP/s
+    assert (rows["fine-tuning epoch"]["ours_s"], rows["fine-tuning epoch"]["ratio"]) == (100.0, None)
+    assert data["runs"][0]["command"] == "python benchmarks/epoch.py --tasks sst2"
+    assert data["runs"][0]["date"] == "2026-01-02 03:04 UTC"
+    gpu = json.loads(pathlib.Path(epoch.record(_epoch_run("NVIDIA H200"))).read_text())
+    assert gpu["machine"] == "gpu-h200"
+    assert {r["measure"]: (r["ours_s"], r["ratio"]) for r in gpu["rows"]} == \
+        {"fine-tuning epoch": (100.0, None), "prediction after intermediate": (25.0, None)}
+
+
 # --------------------------------------------------------------------------- links
 
 def anchors(markdown: str) -> set:
