@@ -56,7 +56,7 @@ def counted_program(lowered, compiled):
     The compiled program's analysis reads the optimised module XLA already holds, ~0.03 s for a
     train step's gradient program against 0.4-0.6 s to convert its lowered module to HLO again;
     XLA's optimisations add a few elementwise ops, +0.3% (prediction and intermediate steps,
-    benchmarks/RESULTS.md#what-we-tried). A partitioned program's analysis would count one device's share,
+    benchmarks/RESULTS.md#length-buckets-and-compilation). A partitioned program's analysis would count one device's share,
     and an accelerator's may leave out its library calls: those count the lowered module."""
     if compiled is None:
         return lowered

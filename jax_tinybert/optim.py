@@ -9,7 +9,7 @@ The update program takes the schedule's numbers (`schedule_numbers`: peak lr, to
 warmup ratio) as arguments, `make_optimizer(..., numbers=)` building the same optimizer from
 them inside the trace: written into the program as constants, a new learning rate, run length
 or batch size made a new program, so a rerun, a sweep or the next task compiled its update
-again (~1.6 s on the first step's path, benchmarks/RESULTS.md#what-we-tried) instead of finding it in the
+again (~1.6 s on the first step's path, benchmarks/RESULTS.md#optimizer-update) instead of finding it in the
 persistent compile cache.
 """
 from __future__ import annotations
@@ -209,7 +209,7 @@ def clip_by_global_norm(max_norm: float,
     costly enough that XLA writes the clipped gradients out once for the two moments to read,
     while a product by a scalar it recomputes inside each. With the pad row left out of per-row
     sums (`global_sumsq`), AdamW's update over a MiniLM-L6-sized tree takes ~28 ms instead of
-    ~40 on 2 Xeon cores (benchmarks/optimizer_update.py; benchmarks/RESULTS.md#what-we-tried)."""
+    ~40 on 2 Xeon cores (benchmarks/optimizer_update.py; benchmarks/RESULTS.md#optimizer-update)."""
     def update(grads, state, params=None):
         del params
         free, _ = global_sumsq(grads, pad_token_id)

@@ -231,7 +231,7 @@ def test_cli_environment_defaults_reach_jax(tmp_path):
 
 
 def test_the_cli_compiles_for_a_gpu_without_autotuning_unless_asked(tmp_path):
-    """XLA's GPU defaults took ~2 min a program (an H200, benchmarks/RESULTS.md): a CLI process
+    """XLA's GPU defaults took ~2 min a program (an H200, benchmarks/RESULTS.md#on-a-gpu): a CLI process
     that may use a GPU starts with the two fast-compile flags, a user's own value of either wins,
     JTB_GPU_AUTOTUNE=1 keeps XLA's defaults. A CPU-only one keeps XLA_FLAGS as it was (the flags
     are part of JAX's compile-cache key)."""

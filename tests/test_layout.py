@@ -51,12 +51,29 @@ def test_backend_branches_live_in_speed():
     assert len(files) <= 3, files
 
 
+def _layout_names(readme: str) -> set:
+    """'folder/name' for every name on the Layout block's lines (a line names its folder first,
+    or continues the one above)."""
+    block = readme[readme.index("## Layout"):].split("```")[1]
+    names, folder = set(), ""
+    for line in block.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if not line.startswith(" " * 8) and words[0].endswith("/"):
+            folder, words = words[0].strip(), words[1:]
+            folder = folder if folder.startswith("jax_tinybert/") or line.startswith(
+                ("jax", "configs", "launch", "benchmarks", "tests")) else "jax_tinybert/" + folder
+        names |= {folder + w for w in words}
+    return names
+
+
 def test_the_readme_layout_names_every_module():
-    readme = (REPO / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
-    layout = layout[:layout.find("\n## ", 1)] if "\n## " in layout[1:] else layout
-    missing = [str(p.relative_to(PKG)) for p in MODULES
-               if p.name != "__init__.py" and str(p.relative_to(PKG)) not in layout]
+    named = _layout_names((REPO / "README.md").read_text())
+    files = [p.relative_to(REPO) for p in MODULES if p.name != "__init__.py"]
+    files += [p.relative_to(REPO) for d in ("configs", "launch", "benchmarks")
+              for p in sorted((REPO / d).glob("*")) if p.suffix in (".py", ".sh", ".sbatch")]
+    missing = [str(f) for f in files if str(f) not in named]
     assert not missing, f"README.md's Layout section does not name {missing}"
 
 

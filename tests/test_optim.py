@@ -199,7 +199,7 @@ def test_update_program_reads_the_embedding_gradient_in_place():
     did) and no slice of it copied for the norm: the gradient is read by the two moments'
     fusions and one reduction (shared by the clip's norm and the logged one), and three passes
     over [V, D] write the moments and the parameters. benchmarks/optimizer_update.py times it
-    (benchmarks/RESULTS.md#what-we-tried)."""
+    (benchmarks/RESULTS.md#optimizer-update)."""
     import re
 
     from jax_tinybert.train import step as step_lib

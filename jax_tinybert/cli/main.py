@@ -239,7 +239,7 @@ def run(argv=None):
 
 def _exit_finished() -> None:
     """Ends a process whose command finished without the interpreter's teardown: its objects
-    freed one by one took ~0.3 s of an MRPC stage's exit (benchmarks/RESULTS.md#what-we-tried);
+    freed one by one took ~0.3 s of an MRPC stage's exit (benchmarks/RESULTS.md#start-up-exit-checkpoints-and-preemption);
     the kernel frees the memory at once. The atexit handlers run and the output is flushed
     first, as at a normal exit. Only in one process, and only when no other non-daemon thread
     runs (the interpreter would wait for it): otherwise the normal exit."""

@@ -66,7 +66,7 @@ def _teacher() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         path=PACKAGED_TEACHER,   # HF folder / hub name / "packaged"; a fine-tuned one for task stages
         # "bfloat16": bf16 compute (params, gradients and optimizer stay float32). On a GPU
-        # the step's speed setting: 1.6-2.1x TF32's on an H200 (RESULTS.md). On a CPU, bf16
+        # the step's speed setting: 1.6-2.1x TF32's on an H200 (benchmarks/RESULTS.md#on-a-gpu). On a CPU, bf16
         # products with float32 activations (speed/dtypes.py): 1.55-1.9x faster steps
         # with AMX, 1.2-1.6x on an AMD EPYC Zen 4 (AVX512-BF16), slower on an Intel CPU
         # without AMX (cpu.fast_bf16; the start-up note says which).
@@ -112,7 +112,7 @@ def _data() -> ml_collections.ConfigDict:
         bucket_compile_steps=-1.0,  # buckets=(): what one bucket's compilations cost, in train
                                  # steps at length 64; fewer buckets when a run is short.
                                  # -1 = auto: 8 on CPU, 2000 on GPU/TPU (benchmarks/compile_cost.py,
-                                 # RESULTS.md); 0 = compiling is free (the most buckets that pay)
+                                 # benchmarks/RESULTS.md#compile-cost-per-bucket); 0 = compiling is free (the most buckets that pay)
         train_subset=0, eval_subset=0,   # 0 = all; else N (seeded shuffle; only those tokenized)
         corpus="",               # files/folders of plain text for kind=corpus
         corpus_mode="sentences", seq_len=128,

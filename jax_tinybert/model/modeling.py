@@ -28,7 +28,7 @@ def gelu(x: Array) -> Array:
 
     Not `jax.nn.gelu(approximate=False)`: that goes through `erfc`, whose XLA expansion has
     three polynomial branches and an `exp`; `erf` is one rational polynomial. Train steps at
-    T 128 run 2-5.5% faster (benchmarks/RESULTS.md#what-we-tried). Against float64 the values are within
+    T 128 run 2-5.5% faster (benchmarks/RESULTS.md#products-and-attention). Against float64 the values are within
     1.1e-6 (PyTorch's own float32 GELU: 1.2e-6), a 6-layer encoder's hidden states within
     PyTorch float32's own distance from float64 (tests/test_modeling.py)."""
     return 0.5 * x * (1.0 + jax.lax.erf(x * 0.7071067811865476))
@@ -164,7 +164,7 @@ class BertEmbeddings(_BertModule):
         # The tables are read in their own dtype and the sum enters the LayerNorm, which returns
         # `dtype`. A table cast to bfloat16 first makes its gradient a bfloat16 scatter-add: on a
         # GPU that serialises on every repeated id (padding, [CLS]; 119 of a 137 ms step on an
-        # H200, RESULTS.md) and its sums stop growing past 256 equal terms.
+        # H200, benchmarks/RESULTS.md#on-a-gpu) and its sums stop growing past 256 equal terms.
         def embed(n, name):
             return nn.Embed(n, c.hidden_size, embedding_init=init, dtype=self.param_dtype,
                             param_dtype=self.param_dtype, name=name)
@@ -196,7 +196,7 @@ def _softmax_product(scores: Array, v: Array, product, dtype: Dtype) -> Array:
     float32, v [B, H, T, d] -> [B, H, Q, d] in `dtype`. The same sums as normalising first, one
     division per output instead of per score. On CPU XLA otherwise fuses the whole softmax into
     the product's YNNPACK fusion, which ran the teacher's attention 2-4x slower than the two
-    products and the softmax apart (benchmarks/RESULTS.md#what-we-tried). Not used under attention
+    products and the softmax apart (benchmarks/RESULTS.md#products-and-attention). Not used under attention
     dropout: there the mask falls on the normalised probabilities, and the training step measured
     slower in this form."""
     e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))

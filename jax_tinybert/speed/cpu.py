@@ -40,8 +40,8 @@ def fast_bf16(info: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The hardware that runs bfloat16 products faster than float32 ones on this CPU, in words:
     "AMX" (any vendor with `amx_bf16`, e.g. an Intel Xeon model 143/167), "AVX512-BF16 on AMD"
     (an AMD EPYC Zen 4: XLA's bf16 x bf16 -> f32 product ran 1.7-2.8x its float32 one at the
-    step's shapes; benchmarks/RESULTS.md#what-we-tried), or None: an Intel CPU with AVX512-BF16
-    but no AMX ran them slower than float32 (benchmarks/RESULTS.md#what-we-tried), and anything unknown counts as
+    step's shapes; benchmarks/RESULTS.md#bfloat16-on-a-cpu), or None: an Intel CPU with AVX512-BF16
+    but no AMX ran them slower than float32 (benchmarks/RESULTS.md#bfloat16-on-a-cpu), and anything unknown counts as
     slow. `info`: cpuinfo()'s fields, read from /proc/cpuinfo when None."""
     info = cpuinfo() if info is None else info
     flags = set(info.get("flags", "").split())

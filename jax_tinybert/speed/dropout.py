@@ -2,7 +2,7 @@
 
 The student trains with dropout on every hidden state and on the attention probabilities
 ([B, H, T, T] per layer); on CPU the threefry hash that makes the random bits is ~5% of a
-train step at T = 128 (benchmarks/RESULTS.md, "Dropout from 16-bit draws"). Each 32-bit word
+train step at T = 128 (benchmarks/RESULTS.md#dropout-and-random-bits). Each 32-bit word
 of threefry output here serves two elements: one keeps its low 16 bits, the next its high 16.
 The words are JAX's own (`jax.random.bits`), computed by the hash written out as elementwise
 ops (`prng.py`), which XLA fuses into the mask: JAX lowers the hash on CPU as a while loop.
@@ -72,7 +72,7 @@ def keep_mask(key: jax.Array, rate: float, shape: Tuple[int, ...]) -> Tuple[jax.
             # own word: twice per word. `% 0xFFFF` is the identity (pair <= 0x0101), but XLA's
             # fusion counts an integer remainder as expensive and will not copy it into each
             # consumer: without it the hash was fused into both the forward's and the
-            # backward's loop, four times per word (benchmarks/RESULTS.md#what-we-tried).
+            # backward's loop, four times per word (benchmarks/RESULTS.md#dropout-and-random-bits).
             pair = (lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)) % jnp.uint16(0xFFFF)
             keep = jax.lax.bitcast_convert_type(pair, jnp.uint8).astype(jnp.bool_)
         else:

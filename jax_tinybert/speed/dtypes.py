@@ -1,5 +1,5 @@
 """How a model of a config dtype computes on a backend, and the start-up note when the dtype is
-the slower one there (benchmarks/RESULTS.md#what-we-tried has the measurements)."""
+the slower one there (benchmarks/RESULTS.md#bfloat16-on-a-cpu has the measurements)."""
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -55,7 +55,7 @@ def dtype_hint(backend: str, dtypes: Iterable[str], bf16: Optional[str]) -> Opti
         return (f"note: this CPU multiplies bfloat16 fast ({bf16}); "
                 "--config.student.dtype=bfloat16 --config.teacher.dtype=bfloat16 ran the steps "
                 f"{measured} (bfloat16 products; activations, params and the optimizer stay "
-                "float32; MRPC dev scores within 0.8 points of float32 in RESULTS.md)")
+                "float32; MRPC dev scores within 0.8 points of float32 in benchmarks/RESULTS.md)")
     if "float16" in dtypes:
         return ("note: float16 compute on a CPU: XLA has no float16 product kernel there, so "
                 "it converts the operands and multiplies in float32, slower than float32 itself; "

@@ -3,7 +3,7 @@
 - gperftools' tcmalloc, where installed (Debian/Ubuntu: libtcmalloc-minimal4, which
   `make install` adds when it can): preloaded (LD_PRELOAD), it makes XLA's compilations ~30%
   faster and the train steps 3-12% faster than glibc's malloc with the settings below (2-core
-  Xeon, benchmarks/RESULTS.md#what-we-tried).
+  Xeon, benchmarks/RESULTS.md#memory-allocator).
 - Otherwise glibc's malloc with MALLOC_ENV: together (neither alone) they make the train steps
   12-18% faster on 2 cores (prediction and intermediate, T 64 and 128) than glibc's defaults,
   for compilations ~40% slower. They are set with tcmalloc too (then unused), so a

@@ -4,7 +4,7 @@ A jitted step compiles one program per length bucket when the bucket's first bat
 and training waits meanwhile: six buckets of the prediction step are ~40 s of a 340 s SST-2
 epoch on a 2-core Xeon. XLA's compiler keeps only ~1.35 of the 2 cores busy, and training
 leaves gaps too (host work between steps), so the same programs compiled by a worker thread
-while the main thread trains cost the run ~2 s less each (benchmarks/RESULTS.md#what-we-tried).
+while the main thread trains cost the run ~2 s less each (benchmarks/RESULTS.md#length-buckets-and-compilation).
 
 `Compiler()` owns the worker (one thread: programs compile one at a time, in the order they
 were submitted). `Compiler(workers=N)` compiles N at a time: on a GPU host with cores to spare

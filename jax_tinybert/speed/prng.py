@@ -4,9 +4,9 @@ them into their consumer.
 JAX lowers the threefry2x32 hash on CPU as a while loop of 5 steps (`use_rolled_loops`), each
 step a few kernels over the whole array. The dropout masks of a train step are ~14 such draws:
 on 2 CPU cores they took ~5-9% of a prediction step at T = 32-128 and ~1 s of each bucket's
-compilation (benchmarks/RESULTS.md#what-we-tried). `threefry_bits` gives the same words, bit for
+compilation (benchmarks/RESULTS.md#dropout-and-random-bits). `threefry_bits` gives the same words, bit for
 bit, as 20 rounds of elementwise ops. (The keys' own hashes, flax's per-module `fold_in`, stay
-JAX's: done the same way they gained nothing, RESULTS.md.)
+JAX's: done the same way they gained nothing, benchmarks/RESULTS.md#dropout-and-random-bits.)
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def threefry_bits(key: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
 # A jit of its own so that a program's draws of one shape (a train step's ~9 hidden-state and 4
 # attention draws are 2 shapes) are traced and lowered once: XLA inlines the call, so the
 # compiled program is the same, and a gradient program's tracing and lowering took 0.3 s less
-# (1.4 -> 1.1 s, prediction step at T = 64; benchmarks/RESULTS.md#what-we-tried).
+# (1.4 -> 1.1 s, prediction step at T = 64; benchmarks/RESULTS.md#dropout-and-random-bits).
 @functools.partial(jax.jit, static_argnums=1)
 def _bits_of(key: jax.Array, shape: Tuple[int, ...]) -> jax.Array:
     # Were the key's words computed by elementwise ops too (a key hashed without JAX's while

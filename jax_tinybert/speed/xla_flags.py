@@ -5,7 +5,7 @@ run compiles one training program per length bucket, plus eval and teacher-pass 
 each took ~2 minutes that way: on one H200 (jax 0.11.2), SST-2 teacher fine-tuning through the
 CLI reached its first step after 138 s, 122 s of it compiling one program, against 19 s per
 program with the flags below; the whole one-epoch run took 81 s with them. The steps run as
-fast at batch 32 and up to 15% slower at batch 256 (benchmarks/RESULTS.md, "XLA flags"), so a
+fast at batch 32 and up to 15% slower at batch 256 (benchmarks/RESULTS.md#on-a-gpu), so a
 long run at large batches may prefer XLA's defaults: JTB_GPU_AUTOTUNE=1 keeps them. The flags
 are added only where a GPU can be used (`gpu_possible`): XLA_FLAGS is part of JAX's compile cache
 key, so a CPU-only machine keeps its cache and its flags as they were.

@@ -228,7 +228,7 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
 COMPILE_STEPS_LEN = 64
 # A dev bucket's charge against a train bucket's, per row of padding: its only compilation is
 # the eval program (~1/10 of a bucket's), and a dev row of padding costs a forward (~1/3 of a
-# train row); MRPC's dev set then pads 13% less (benchmarks/RESULTS.md#what-we-tried).
+# train row); MRPC's dev set then pads 13% less (benchmarks/RESULTS.md#length-buckets-and-compilation).
 EVAL_BUCKET_SHARE = 0.3
 
 

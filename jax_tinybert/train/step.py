@@ -51,9 +51,10 @@ def _apply_chunked(model: nn.Module, params, batch, chunk_tokens: int, *, determ
                    rng, **kw):
     """`_apply` over the batch's rows in `num_chunks` chunks, each a forward of its own in the
     same program, outputs concatenated ([B, ...] as one forward). On CPU a chunk's [rows, H,
-    T, T] attention tensors and [rows * T, d_ff] activations stay in cache (benchmarks/
-    RESULTS.md, "Forwards in row chunks"). Rows are computed as alone; with dropout each chunk
-    draws from its own key (fold_in(rng, i)), so the draws differ from one whole forward's."""
+    T, T] attention tensors and [rows * T, d_ff] activations stay in cache
+    (benchmarks/RESULTS.md#row-chunks-and-layer-loops). Rows are computed as alone; with dropout
+    each chunk draws from its own key (fold_in(rng, i)), so the draws differ from one whole
+    forward's."""
     B, T = batch["input_ids"].shape
     n = num_chunks(B, T, chunk_tokens)
     if n == 1:
@@ -258,7 +259,7 @@ class SplitTrainStep:
     program of every length bucket. Compiled once on its own, each bucket's program compiles
     2.4-3.2 s faster on a 2-core Xeon, for steps ~3% slower (the update no longer overlaps the
     backward pass); the two give the same parameters up to float rounding
-    (benchmarks/RESULTS.md#what-we-tried). `train.split_update` picks one (build.splits_update).
+    (benchmarks/RESULTS.md#optimizer-update). `train.split_update` picks one (speed/profiles.py).
 
     `lower(...)` / `.compile()` mirror jax.jit's: the compiled pair runs as the step does, with
     the two programs' cost analyses added and their memory analyses combined (`SplitLowered`).
