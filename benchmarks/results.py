@@ -22,7 +22,8 @@ stored: the benchmarks round what they record.
     python benchmarks/results.py merge F...   # result files written elsewhere (a lent GPU machine)
     python benchmarks/results.py kind         # this machine's kind
 
-Standard library only: benchmarks call it before JAX starts, and tests run it without JAX.
+The standard library and jax_tinybert.speed.cpu, which loads no JAX: benchmarks call it before JAX
+starts, and tests run it without JAX.
 """
 from __future__ import annotations
 
@@ -39,11 +40,13 @@ import sys
 import tempfile
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jax_tinybert.speed.cpu import cpu_name, cpuinfo  # noqa: E402  (imports no JAX)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 RESULTS_DIR = os.path.join(HERE, "results")
 DOC = os.path.join(HERE, "RESULTS.md")
-PROC_CPUINFO = "/proc/cpuinfo"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.]*$")
 _MACHINE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 _MARKER = re.compile(r"^<!-- table:(\S+)(.*?)-->\n(.*?)^<!-- end -->$", re.M | re.S)
@@ -54,24 +57,6 @@ class ResultsError(ValueError):
 
 
 # ----------------------------------------------------------------------------- machines
-
-def cpuinfo(path: str = PROC_CPUINFO) -> Dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo ('vendor_id', 'cpu family', 'model',
-    'model name', ...); {} where the file is missing."""
-    info: Dict[str, str] = {}
-    try:
-        with open(path) as fh:
-            for line in fh:
-                if not line.strip():
-                    if info:
-                        break
-                    continue
-                k, _, v = line.partition(":")
-                info.setdefault(k.strip(), v.strip())
-    except OSError:
-        pass
-    return info
-
 
 def _int(text: Optional[str]) -> Optional[int]:
     try:
@@ -159,11 +144,7 @@ def kind_of(cpu: str, family=None, model=None, device: Optional[str] = None) -> 
 
 def cpu_description(info: Optional[Mapping[str, str]] = None) -> str:
     """'model name (family F model M, N cores)': what a result's run records of its CPU."""
-    info = cpuinfo() if info is None else info
-    if not info:
-        return "unknown CPU"
-    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model "
-            f"{info.get('model', '?')}, {os.cpu_count()} cores)")
+    return cpu_name(info)
 
 
 def command_line(argv: Optional[Sequence[str]] = None,
