@@ -67,13 +67,15 @@ class _ShortNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
+    _specs = {}   # alias -> the real module's spec, kept per alias (imports may nest)
+
     def create_module(self, spec):
         module = importlib.import_module(f"{__name__}.{MODULES[spec.name[len(__name__) + 1:]]}")
-        self._spec = module.__spec__    # importlib overwrites __spec__ of what this returns
+        self._specs[spec.name] = module.__spec__   # importlib overwrites it on what this returns
         return module
 
     def exec_module(self, module):
-        module.__spec__ = self._spec
+        module.__spec__ = self._specs.pop(module.__spec__.name)
 
 
 if not any(isinstance(f, _ShortNames) for f in sys.meta_path):

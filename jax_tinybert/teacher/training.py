@@ -17,8 +17,8 @@ import numpy as np
 from jax_tinybert import fs, speed
 from jax_tinybert.config.check import ConfigValueError
 from jax_tinybert.data import batching, packing, tokenize
-from jax_tinybert.teacher.cache import (META, MODEL_KEYS, TeacherCache, build_or_load,
-                                        forwarded, make_forward, pass_work)
+from jax_tinybert.teacher import cache as teacher_cache
+from jax_tinybert.teacher.cache import META, MODEL_KEYS, TeacherCache
 from jax_tinybert.teacher.fingerprint import (_normalise, arrays_fingerprint, dataset_fingerprint,
                                               params_fingerprint)
 
@@ -108,10 +108,11 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
                             batch_size)
         if cache is not None:
             return cache
-    cache = build_or_load(path, fingerprint, forward, models.teacher_params, batches, n,
-                          num_rows=None if rows is None else len(rows),
-                          token_fields=token_fields, token_dtype=token_dtype or "float32",
-                          work_total=pass_work(lengths, buckets, plan), live=live)
+    cache = teacher_cache.build_or_load(
+        path, fingerprint, forward, models.teacher_params, batches, n,
+        num_rows=None if rows is None else len(rows), token_fields=token_fields,
+        token_dtype=token_dtype or "float32",
+        work_total=teacher_cache.pass_work(lengths, buckets, plan), live=live)
     if store is not None and cache.build_stats is not None:
         store.publish(cache, share_fp, fields=["teacher_logits"] if token_fields else None)
     cache.fields = _step_fields(cache.fields, token_dtype)
@@ -215,11 +216,11 @@ def _training_forward(models, obj, token_dtype: Optional[str],
         # prediction stage after this one (same teacher, same data) reads them from the store.
         return dict(obj.teacher_features(out), teacher_logits=out.logits)
 
-    return make_forward(models.teacher, with_logits if token_fields else obj.teacher_features,
-                        attention_layers=obj.teacher_attention_layers if token_fields else (),
-                        token_fields=token_fields, token_dtype=token_dtype or "float32",
-                        cls_only=_reads_cls_only(obj, token_dtype),
-                        packed_segments=packed_segments)
+    return teacher_cache.make_forward(
+        models.teacher, with_logits if token_fields else obj.teacher_features,
+        attention_layers=obj.teacher_attention_layers if token_fields else (),
+        token_fields=token_fields, token_dtype=token_dtype or "float32",
+        cls_only=_reads_cls_only(obj, token_dtype), packed_segments=packed_segments)
 
 
 def lookup_spec(models, obj, batch: Mapping[str, Any],
@@ -256,11 +257,11 @@ def packing_plan(lengths: np.ndarray, buckets: Sequence[int]
     b = np.asarray(sorted(int(x) for x in buckets), np.int64)
     if not len(lengths) or lengths.max() > b[-1]:
         return None
-    best, cost = None, PACK_GAIN * pass_work(lengths, b)
+    best, cost = None, PACK_GAIN * teacher_cache.pass_work(lengths, b)
     for P in b[b >= lengths.max()].tolist():   # each bucket long enough for every example
         rows = packing.pack(lengths, P, max(1, P // 4))
         S = max(len(r) for r in rows)
-        packed = pass_work(lengths, b, (P, S, rows))
+        packed = teacher_cache.pass_work(lengths, b, (P, S, rows))
         if S > 1 and packed <= cost:
             best, cost = (P, S, rows), packed
     return best
@@ -354,7 +355,7 @@ def _forward_rows(forward: Callable, params, batches, rows: np.ndarray) -> Dict[
             keep = (ids >= 0) & (np.asarray(batch["valid"]) > 0)
             yield batch, (keep, np.searchsorted(rows, ids[keep]))
 
-    for (keep, pos), feats in forwarded(forward, params, positions()):
+    for (keep, pos), feats in teacher_cache.forwarded(forward, params, positions()):
         for k, v in feats.items():
             if k not in out:
                 out[k] = np.zeros((len(rows),) + v.shape[1:], np.float32)
