@@ -108,9 +108,9 @@ def measure(stage: str, tcfg, scfg, lengths, batch: int, steps: int,
             compiled, c_train = _timed(
                 lambda: train_step.lower(state_abs, teacher_abs, babs).compile())
         ids = jax.ShapeDtypeStruct((batch, T), jnp.int32)
-        _, c_eval = _timed(lambda: evaluate.lower(
-            state_abs.params["student"], {k: ids for k in ("input_ids", "attention_mask",
-                                                           "token_type_ids")}).compile())
+        eval_in = {k: ids for k in step_lib.MODEL_KEYS}
+        eval_in["example_id"] = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        _, c_eval = _timed(lambda: evaluate.lower(state_abs.params["student"], eval_in).compile())
         c_fwd = 0.0
         if forward is not None:
             ids64 = jax.ShapeDtypeStruct((64, T), jnp.int32)

@@ -459,7 +459,8 @@ def test_eval_warns_when_every_dev_example_gets_one_class(collapsed, capsys):
     tokens = [[1, 1, 1], [1, 1, 1]] if collapsed else [[1, 0, 1], [1, 0, 0]]
     data = build.Data(None, _DevBatches(tokens), labels, "sst2", 2,
                       {0: "negative", 1: "positive"}, None)
-    eval_fn = lambda params, batch: jax.nn.one_hot(batch["input_ids"][:, 0], 2)
+    eval_fn = lambda params, batch: (jax.nn.one_hot(batch["input_ids"][:, 0], 2),
+                                     batch["example_id"])
     mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
     out = train_eval.evaluate(eval_fn, None, data, mesh)
     printed = capsys.readouterr().out

@@ -26,7 +26,7 @@ from jax_tinybert.model.hf import WEIGHT_FILES, resolve_path
 # Fields that do not change the trained model: a run may resume with other values.
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
                     "train.max_to_keep", "train.eval_batch_size", "export.enabled",
-                    "data.cache_dir",
+                    "data.cache_dir", "mesh.teacher",
                     # how fast, not what: a workdir made on one backend resumes on another
                     *speed.SPEED_FIELDS}
 # Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may
@@ -114,6 +114,7 @@ NUMERIC_RULES = {
     "optim.grad_clip_per_tensor": (_NONNEG, "0 = no clipping"),
     "train.batch_size": (_GE1, ""),
     "train.grad_accum": (_GE1, ""),
+    "train.per_device_batch": (_NONNEG, "0 = use train.batch_size as the global batch"),
     "train.eval_batch_size": (_GE1, ""),
     "train.num_steps": (_NONNEG, "0 = train for config.train.num_epochs epochs"),
     "train.num_epochs": (_POS, ""),
@@ -172,6 +173,7 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "train.split_update": ("auto", "always", "never"),
         "teacher.cache_dtype": ("float16", "float32"),
         "teacher.cache_build": ("auto", "beside", "before"),
+        "mesh.teacher": ("auto", "replicated", "sharded"),
     }
 
 

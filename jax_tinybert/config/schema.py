@@ -140,6 +140,9 @@ def _train() -> ml_collections.ConfigDict:
     """The steps: batch, evaluation, checkpoints, and how the step compiles."""
     return ml_collections.ConfigDict(dict(
         batch_size=32, num_epochs=3.0, num_steps=0,   # num_steps > 0 overrides epochs
+        # > 0: batch_size = this x the data-parallel devices (x grad_accum); the learning rate
+        # is not rescaled (docs/scaling.md).
+        per_device_batch=0,
         grad_accum=1, seed=0, log_every=20, eval_every=0,  # 0 = at the end of each epoch
         eval_batch_size=64, checkpoint_every=200, max_to_keep=2,
         # Periodic checkpoints (every checkpoint_every steps) at least this many seconds apart:
@@ -163,7 +166,11 @@ def _train() -> ml_collections.ConfigDict:
 
 def _mesh() -> ml_collections.ConfigDict:
     """Devices: the mesh axes' sizes (parallel/sharding.py)."""
-    return ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1, fsdp_min_size=16384))
+    return ml_collections.ConfigDict(dict(
+        data=-1, fsdp=1, model=1, fsdp_min_size=16384,
+        # The frozen teacher's params: auto (whole on every device while they take <= 1/4 of
+        # a device's memory, else sharded as the student) | replicated | sharded.
+        teacher="auto"))
 
 
 def _export() -> ml_collections.ConfigDict:

@@ -402,7 +402,9 @@ def build_step(config, *, student, teacher, objective: objectives.Objective, stu
     teacher_sh = abstract_teacher = None
     if teacher is not None:
         teacher_abs = jax.eval_shape(lambda p: p, teacher_params)
-        teacher_sh = shd.state_shardings(teacher_abs, mesh, fsdp_min)
+        teacher_sh, note = shd.teacher_shardings(teacher_abs, mesh, fsdp_min,
+                                                 config.mesh.get("teacher", "auto"))
+        log.info("%s (mesh.teacher=%s)", note, config.mesh.get("teacher", "auto"))
         abstract_teacher = _with_shardings(teacher_abs, teacher_sh)
     chunks = int(config.train.chunk_tokens)
     loss_fn = step_lib.make_loss_fn(student, teacher, objective,
@@ -472,8 +474,29 @@ def make_mesh(config):
     dp = shd.data_parallel_size(mesh)
     if config.train.eval_batch_size % dp:
         raise ConfigValueError(f"config.train.eval_batch_size={config.train.eval_batch_size} is "
-                               f"not divisible by the data-parallel size {dp}")
+                               f"not divisible by the data-parallel size {dp}; use a multiple "
+                               f"of {dp}")
     return mesh
+
+
+def with_device_batch(config):
+    """config.train.per_device_batch > 0: the global batch (train.batch_size) set from the
+    device count, the eval batch rounded up to a multiple of the data-parallel size. The
+    learning rate is left as it is (docs/scaling.md says how to scale it)."""
+    per = int(config.train.get("per_device_batch", 0) or 0)
+    if per <= 0:
+        return config
+    spec = {a: config.mesh[a] for a in shd.AXES}
+    gb = shd.global_batch(per, spec, jax.device_count(), config.train.grad_accum)
+    dp = gb // (per * config.train.grad_accum)
+    config = config.copy_and_resolve_references()
+    config.train.batch_size = gb
+    config.train.eval_batch_size = -(-config.train.eval_batch_size // dp) * dp
+    if jax.process_index() == 0:
+        log.info("train.per_device_batch=%d on %d data-parallel devices: global batch %d "
+                 "(optim.learning_rate %g is not rescaled)", per, dp, gb,
+                 config.optim.learning_rate)
+    return config
 
 
 def evaluates(objective: objectives.Objective, data: Data) -> bool:
@@ -517,6 +540,9 @@ def build_run(config, workdir: str) -> Run:
     # Data first: the task fixes the number of labels of the student head.
     data = build_data(config, workdir, resolve_model_path(config.teacher.path))
     models = build_models(config, data.num_labels, data.id2label)
+    for who, c in (("student", models.student_config), ("teacher", models.teacher_config)):
+        if c is not None:
+            shd.check_model_axis(mesh, c.num_attention_heads, c.intermediate_size, who)
     obj = build_objective(config, models.student_config, models.teacher_config)
     total = total_steps(config, data.train_batches.steps_per_epoch)
     config, notes = speed.resolve(config, backend, run_facts(config, obj, data, total, mesh,

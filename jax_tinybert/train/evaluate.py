@@ -44,11 +44,11 @@ def evaluate(eval_fn, params, data, mesh) -> Dict[str, float]:
     preds, ids = [], []
     with Progress("eval", total=len(data.eval_labels), unit="ex") as prog:
         for batch in data.eval_batches:
-            keep = {k: batch[k] for k in step_lib.MODEL_KEYS}
-            logits = np.asarray(jax.device_get(eval_fn(params, shd.shard_batch(keep, mesh))))
-            # Every process gets the global logits; keep the rows of all processes in order.
-            ids.append(_allgather_host(batch["example_id"]))
-            preds.append(logits)
+            keep = {k: batch[k] for k in step_lib.EVAL_KEYS}
+            # Every process gets the global logits and, row for row, their examples' ids.
+            logits, example_id = jax.device_get(eval_fn(params, shd.shard_batch(keep, mesh)))
+            ids.append(np.asarray(example_id).reshape(-1))
+            preds.append(np.asarray(logits))
             prog.update(int((ids[-1] >= 0).sum()))
     preds = np.concatenate(preds)
     ids = np.concatenate(ids)
@@ -85,12 +85,6 @@ def export(run, params, workdir: str) -> str:
         export_hf(run.models.student_config, host["bert"] if as_base else host, export_dir,
                   tokenizer_dir=run.models.tokenizer_dir, id2label=run.data.id2label)
     return export_dir
-
-
-def _allgather_host(x: np.ndarray) -> np.ndarray:
-    if jax.process_count() == 1:
-        return x
-    return np.asarray(multihost_utils.process_allgather(x)).reshape(-1)
 
 
 def _to_host(tree):

@@ -48,7 +48,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Dict[
     Raises Preempted when stopped early (state saved; rerun to resume), and
     workdir_lock.WorkdirBusy, before anything is written, while another run holds the workdir."""
     t_start = time.time()
-    config = build.with_defaults(config)
+    config = build.with_device_batch(build.with_defaults(config))
     validate_config(config)
     with workdir_lock.hold(workdir):
         return _run_stage(config, workdir, t_start)
@@ -409,5 +409,5 @@ def _steps(run: build.Run, compiler: Optional[precompile.Compiler], start_step: 
     for i in _first_of_each_length(ev.epoch_plan(0).seq_lens):
         sample = ev.batch_at(0, int(i))
         eval_step.submit(state_abs.params["student"],
-                         shd.shard_batch({k: sample[k] for k in step_lib.MODEL_KEYS}, run.mesh))
+                         shd.shard_batch({k: sample[k] for k in step_lib.EVAL_KEYS}, run.mesh))
     return train_step, eval_step

@@ -26,6 +26,8 @@ from jax_tinybert.train.state import TrainState
 
 Array = jax.Array
 MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+# The eval program's inputs: example_id rides through it, sharded like the rows (see make_eval_step).
+EVAL_KEYS = MODEL_KEYS + ("example_id",)
 # A batch carrying any of these has its teacher outputs from the teacher cache.
 CACHED_KEYS = ("teacher_logits", "teacher_cls") + CACHED_TOKEN_KEYS
 
@@ -184,12 +186,17 @@ def make_train_step(loss_fn: Callable, optimizer: Callable[[Dict[str, Array]], t
 
 
 def make_eval_step(student: nn.Module) -> Callable:
-    """-> eval_step(student_params, batch) -> logits [B, C] (float32). Pure, deterministic."""
+    """-> eval_step(student_params, batch) -> (logits [B, C] float32, example_id [B] int32).
+
+    batch holds EVAL_KEYS, each [B, ...] sharded over the mesh's batch axes. The ids go through
+    the program beside the rows, so each logit comes back next to its own example's id whatever
+    the order of the mesh's devices (a TPU torus interleaves the hosts' chips; a host's rows then
+    land in slices that are not one block). Pure, deterministic."""
 
     def eval_step(params, batch):
         out = _apply(student, params, batch, deterministic=True, attention_logits=False, rng=None,
                      cls_only=True)
-        return out.logits
+        return out.logits, batch["example_id"].astype(jnp.int32)
 
     return eval_step
 
@@ -205,8 +212,9 @@ def jit_train_step(step: Callable, state_sharding, teacher_sharding, mesh: Mesh,
 
 
 def jit_eval_step(eval_step: Callable, student_sharding, mesh: Mesh):
+    """eval_step jitted: the batch split over the batch axes, (logits, ids) replicated."""
     return jax.jit(eval_step, in_shardings=(student_sharding, shd.batch_sharding(mesh)),
-                   out_shardings=shd.replicated(mesh))
+                   out_shardings=(shd.replicated(mesh), shd.replicated(mesh)))
 
 
 def jit_split_train_step(grads_fn: Callable, update_fn: Callable, state_sharding,
