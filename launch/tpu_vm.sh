@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Create a Cloud TPU VM (single host or pod slice), install jax-tinybert on every worker, run
 # `python -m jax_tinybert.main` on all workers at once, follow the logs, delete it.
-# On TPU VMs jax.distributed.initialize() needs no arguments: every worker finds the others
-# through the TPU metadata, so the same command line runs on all workers.
+# The same command line runs on all workers, with no coordinator: on start each worker's
+# jax_tinybert.parallel.cluster.maybe_initialize_distributed() asks the GCE metadata server (JAX's
+# GceTpuCluster: agent-worker-number, worker-network-endpoints, tpu-env) for its worker number and
+# the workers' addresses, and starts jax.distributed with worker 0 as the coordinator (port 8482,
+# JAX_COORDINATOR_PORT: another) when there is more than one worker; a single host runs alone.
+# --cluster=none skips that, --coordinator/--num_processes/--process_id override it.
 set -euo pipefail
 
 usage() {

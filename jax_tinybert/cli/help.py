@@ -118,6 +118,8 @@ def text(prog: str = "jax-tinybert") -> str:
         "  --workdir=DIR       checkpoints, metrics, TensorBoard, summary.json and the export",
         "  --verbose           full tracebacks for every error (user mistakes print one line)",
         "  --coordinator=HOST:PORT --num_processes=N --process_id=I   multi-process runs",
+        "  --cluster=auto|none|gcetpu|gketpu|slurm|ompi|...   without --coordinator: how the",
+        "                      job is found (auto: the first cluster JAX detects)",
         "  --helpfull          every flag, including absl's",
         "",
         "example (the TinyBERT recipe on SST-2; README.md has all of it):",

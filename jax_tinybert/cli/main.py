@@ -6,7 +6,8 @@ default (jax_tinybert/cli/help.py). A mistake in the command line, a config valu
 the data prints one line `error: <problem>; <fix>` on stderr and exits with status 2 (the
 traceback too with --verbose); any other exception is a bug and keeps its traceback.
 Multi-process: env JTB_COORDINATOR / JTB_NUM_PROCESSES / JTB_PROCESS_ID (or the flags below),
-or SLURM / TPU VM auto-detection; JTB_CPU_DEVICES=N simulates N devices on the CPU.
+else the cluster JAX detects (--cluster / JTB_CLUSTER: auto, none, gcetpu, gketpu, slurm, ompi,
+...; jax_tinybert/parallel/cluster.py); JTB_CPU_DEVICES=N simulates N devices on the CPU.
 Compiled steps are cached across runs in ~/.cache/jax_tinybert/xla (JTB_COMPILE_CACHE=off: not),
 teacher outputs in ~/.cache/jax_tinybert/teacher (JTB_TEACHER_STORE=DIR or off; teacher_store.py),
 and tokenised GLUE splits in ~/.cache/jax_tinybert/tokens (JTB_TOKEN_STORE=DIR or off).
@@ -88,6 +89,10 @@ flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the
 flags.DEFINE_string("coordinator", None, "host:port of process 0 for multi-process runs.")
 flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-process run.")
 flags.DEFINE_integer("process_id", None, "This process's index (0-based).")
+flags.DEFINE_string("cluster", None, "Without --coordinator, how a multi-process job is found "
+                    "(env JTB_CLUSTER): auto (default: the first cluster JAX detects, e.g. a "
+                    "Cloud TPU VM pod, GKE TPUs, a SLURM step, Open MPI), none (one process), "
+                    "or one of JAX's methods: gcetpu, gketpu, slurm, ompi, mpi4py, k8s.")
 flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for the other processes to join.")
 flags.DEFINE_integer("heartbeat_timeout", None, "Seconds without a heartbeat after which a "
                      "process counts as dead and the others abort (default: env "
@@ -145,7 +150,8 @@ def main(argv):
     logging.getLogger("jax_tinybert").setLevel(logging.DEBUG if FLAGS.verbose else logging.INFO)
     sharding.maybe_initialize_distributed(FLAGS.coordinator, FLAGS.num_processes,
                                           FLAGS.process_id, timeout_s=FLAGS.init_timeout,
-                                          heartbeat_timeout_s=FLAGS.heartbeat_timeout)
+                                          heartbeat_timeout_s=FLAGS.heartbeat_timeout,
+                                          cluster=FLAGS.cluster)
     if jax.process_index() != 0:
         absl_logging.set_verbosity(absl_logging.ERROR)
         logging.getLogger("jax_tinybert").setLevel(logging.WARNING)

@@ -1,1 +1,2 @@
-"""Devices and processes: the mesh and partitioning (sharding.py), agreement between processes (coordination.py)."""
+"""Devices and processes: the mesh and partitioning (sharding.py), starting a multi-process job
+(cluster.py), agreement between processes (coordination.py)."""

@@ -11,117 +11,20 @@ import logging
 import math
 import os
 import re
-import socket
-import time
 from typing import Any, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+# Starting jax.distributed lives in cluster.py; these names stay importable from here.
+from jax_tinybert.parallel.cluster import (  # noqa: F401
+    DistributedInitError, maybe_initialize_distributed)
+
 log = logging.getLogger(__name__)
 
 AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
-
-
-class DistributedInitError(RuntimeError):
-    """jax.distributed could not start (coordinator unreachable, bad process id, ...)."""
-
-
-def _env_int(name: str) -> Optional[int]:
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else None
-
-
-def maybe_initialize_distributed(coordinator: Optional[str] = None,
-                                 num_processes: Optional[int] = None,
-                                 process_id: Optional[int] = None,
-                                 timeout_s: int = 120, auto: bool = True,
-                                 heartbeat_timeout_s: Optional[int] = None) -> bool:
-    """Starts `jax.distributed` when a multi-process run is asked for or detected.
-
-    Explicit: arguments, else env JTB_COORDINATOR (host:port), JTB_NUM_PROCESSES,
-    JTB_PROCESS_ID. Detected (auto=True): SLURM with more than one task, or a multi-host TPU VM;
-    JAX reads their own variables then. Must run before any other JAX call. Returns True if
-    initialised. A coordinator that cannot be reached fails within `timeout_s` seconds with the
-    address it tried. `heartbeat_timeout_s` (default: env JTB_HEARTBEAT_TIMEOUT, else JAX's 100 s)
-    bounds how long the survivors of a crashed/killed process wait before they abort (JAX's
-    coordination service declares the silent process dead and terminates every other one).
-    """
-    coordinator = coordinator or os.environ.get("JTB_COORDINATOR") or None
-    num_processes = num_processes if num_processes is not None else _env_int("JTB_NUM_PROCESSES")
-    process_id = process_id if process_id is not None else _env_int("JTB_PROCESS_ID")
-    if os.environ.get("JTB_CPU_DEVICES") or coordinator:
-        # CPU collectives across processes need gloo (XLA has no other CPU backend for them). A config flag only
-        # (harmless on GPU/TPU): asking JAX for its backend here would start the backend,
-        # after which jax.distributed.initialize refuses to run.
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = {}
-    if coordinator:
-        if num_processes is None or process_id is None:
-            raise DistributedInitError(
-                f"coordinator {coordinator} given but the process count/id is missing: set "
-                "JTB_NUM_PROCESSES and JTB_PROCESS_ID (or --num_processes/--process_id)")
-        if not 0 <= process_id < num_processes:
-            raise DistributedInitError(f"process id {process_id} is outside 0..{num_processes - 1}")
-        if num_processes == 1:
-            return False
-        kwargs = dict(coordinator_address=coordinator, num_processes=num_processes,
-                      process_id=process_id)
-    elif not auto:
-        return False
-    elif _env_int("SLURM_NTASKS") and _env_int("SLURM_NTASKS") > 1:
-        log.info("SLURM job with %s tasks: starting jax.distributed from SLURM's variables",
-                 os.environ["SLURM_NTASKS"])
-    elif os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
-        log.info("multi-host TPU VM detected: starting jax.distributed")
-    else:
-        return False
-    where = coordinator or "auto-detected coordinator"
-    if coordinator and process_id != 0:
-        # JAX aborts the whole process (a C++ fatal error, no Python exception) when the
-        # coordinator cannot be reached; check first, so the error names the address.
-        t0 = time.monotonic()
-        _wait_reachable(coordinator, timeout_s, process_id, num_processes)
-        timeout_s = max(1, int(round(timeout_s - (time.monotonic() - t0))))
-    if heartbeat_timeout_s is None:
-        heartbeat_timeout_s = _env_int("JTB_HEARTBEAT_TIMEOUT")
-    if heartbeat_timeout_s is not None:
-        kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_s)
-    try:
-        jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
-    except Exception as e:  # jax raises several types; all mean "could not join"
-        raise DistributedInitError(
-            f"jax.distributed.initialize could not join the job at {where} within {timeout_s}s "
-            f"(process {process_id} of {num_processes}): {e}. Check that process 0 is running "
-            "and that the address/port is reachable from this host.") from e
-    log.info("jax.distributed: process %d of %d, %d local / %d global devices",
-             jax.process_index(), jax.process_count(), jax.local_device_count(),
-             jax.device_count())
-    return True
-
-
-def _wait_reachable(address: str, timeout_s: float, process_id, num_processes) -> None:
-    """Retries a TCP connection to host:port until it succeeds or `timeout_s` runs out."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit():
-        raise DistributedInitError(f"coordinator address {address!r} is not HOST:PORT")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, left))):
-                return
-        except OSError as e:
-            err = e
-        if time.monotonic() + 0.25 >= deadline:
-            raise DistributedInitError(
-                f"cannot reach the coordinator at {address} within {timeout_s}s (process "
-                f"{process_id} of {num_processes}): {type(err).__name__}: {err}. Check that "
-                "process 0 is running and that the address/port is reachable from this host.")
-        time.sleep(0.25)
 
 
 def mesh_shape(spec: dict, num_devices: int) -> Tuple[int, int, int]:
