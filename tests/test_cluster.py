@@ -161,7 +161,7 @@ def test_a_cloud_tpu_vm_pod_starts_from_the_metadata_server(metadata):
     for p in procs:
         out, err = p.communicate(timeout=150)
         assert p.returncode == 0, err[-4000:]
-        outs.append((json.loads(out.split("RESULT", 1)[1]), err))
+        outs.append((json.loads(out.split("RESULT", 1)[1].splitlines()[0]), err))
     for i, (res, _) in enumerate(outs):
         assert res == dict(started=True, leaked=[], index=i, count=2, devices=4, local=2,
                            ids=[0, 1], collectives="gloo"), res
