@@ -78,6 +78,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from jax_tinybert.train import build, mlm_head, preemption, loop as train  # noqa: E402
 from jax_tinybert.cli import diagnose as cli_diagnose, help as cli_help, demo as pipeline  # noqa: E402
+from jax_tinybert.cli import preflight  # noqa: E402
 from jax_tinybert.config import check as config_check  # noqa: E402
 from jax_tinybert.parallel import sharding  # noqa: E402
 from jax_tinybert.errors import EXIT_USER_ERROR, UserError, is_disk_full, one_line  # noqa: E402
@@ -97,6 +98,9 @@ flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for the other process
 flags.DEFINE_integer("heartbeat_timeout", None, "Seconds without a heartbeat after which a "
                      "process counts as dead and the others abort (default: env "
                      "JTB_HEARTBEAT_TIMEOUT, else JAX's 100).")
+flags.DEFINE_bool("check", False, "Pre-flight check: the run's config on a few batches in "
+                  "<workdir>/check (cluster, mesh, data, models, a train step, checkpoint save and "
+                  "restore, an eval on every host), one line per host, then exit.")
 flags.DEFINE_bool("verbose", False, "Print the full traceback of every error (by default a "
                   "mistake in the command line, config, paths or data prints one line).")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -156,6 +160,8 @@ def main(argv):
         absl_logging.set_verbosity(absl_logging.ERROR)
         logging.getLogger("jax_tinybert").setLevel(logging.WARNING)
     config = FLAGS.config
+    if FLAGS.check:
+        preflight.refuse(config.stage)
     if config.stage == "mlm_head":
         # Its own schema (config.mlm.*), checked by mlm_head.fit before anything is written.
         mlm_head.fit(config, FLAGS.workdir)
@@ -173,7 +179,9 @@ def main(argv):
     if note:
         logging.getLogger("jax_tinybert").info(note)
     try:
-        if config.stage == "demo":
+        if FLAGS.check:
+            preflight.run(config, FLAGS.workdir)
+        elif config.stage == "demo":
             pipeline.run_demo(config, FLAGS.workdir)
         else:
             train.train_and_evaluate(config, FLAGS.workdir)

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jax_tinybert.errors import UserError
+
 # Starting jax.distributed lives in cluster.py; these names stay importable from here.
 from jax_tinybert.parallel.cluster import (  # noqa: F401
     DistributedInitError, maybe_initialize_distributed)
@@ -27,31 +29,31 @@ AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
 
 
+class MeshError(UserError, ValueError):
+    """The mesh asked for cannot be laid out on these devices (one line: what and the fix)."""
+
+
 def mesh_shape(spec: dict, num_devices: int) -> Tuple[int, int, int]:
     """{'data': -1, 'fsdp': 1, 'model': 1} -> concrete sizes; one axis may be -1 (fill)."""
     unknown = set(spec) - set(AXES)
     if unknown:
-        raise ValueError(f"config.mesh: unknown axes {sorted(unknown)}; valid axes are {AXES}")
+        raise MeshError(f"config.mesh: unknown axes {sorted(unknown)}; valid axes are {AXES}")
     sizes = [int(spec.get(a, 1)) for a in AXES]
     fill = [i for i, s in enumerate(sizes) if s == -1]
     if len(fill) > 1:
-        raise ValueError(f"config.mesh: only one axis may be -1 (fill), got {dict(zip(AXES, sizes))}")
+        raise MeshError(f"config.mesh: only one axis may be -1 (fill), got {dict(zip(AXES, sizes))}")
     known = int(np.prod([s for s in sizes if s != -1]))
     if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"config.mesh: axis sizes must be positive or -1, got {dict(zip(AXES, sizes))}")
+        raise MeshError(f"config.mesh: axis sizes must be positive or -1, got {dict(zip(AXES, sizes))}")
     if fill:
         if num_devices % known:
-            raise ValueError(f"config.mesh {dict(zip(AXES, sizes))}: {num_devices} devices are "
+            raise MeshError(f"config.mesh {dict(zip(AXES, sizes))}: {num_devices} devices are "
                              f"not divisible by the fixed axes' product {known}")
         sizes[fill[0]] = num_devices // known
     if int(np.prod(sizes)) != num_devices:
-        raise ValueError(f"config.mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} "
+        raise MeshError(f"config.mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} "
                          f"devices but {num_devices} are available; use -1 on one axis to fill")
     return tuple(sizes)
-
-
-class MeshError(ValueError):
-    """The mesh asked for cannot be laid out on these devices (one line: what and the fix)."""
 
 
 # Test-only: "interleaved" orders the devices host by host in turn (process 0's first device,
@@ -110,6 +112,13 @@ def make_mesh(spec: Optional[dict] = None, devices: Optional[Sequence[Any]] = No
             f"config.mesh {named} cannot be laid out on {len(devices)} {kind} device(s) in "
             f"{len(slices)} slice(s): {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
             "choose axis sizes that follow the topology (e.g. mesh.model within a host)") from e
+
+
+def slice_hosts(mesh: Mesh) -> str:
+    """The process of each device along the mesh's batch axes, e.g. "0 1 0 1" where a torus
+    interleaves two hosts ("0 0 1 1" in plain order)."""
+    devs = mesh.devices.reshape(data_parallel_size(mesh), -1)[:, 0]
+    return " ".join(str(d.process_index) for d in devs)
 
 
 def check_model_axis(mesh: Mesh, num_heads: int, ffn: int, who: str = "student") -> None:

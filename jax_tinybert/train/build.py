@@ -476,6 +476,8 @@ def make_mesh(config):
         raise ConfigValueError(f"config.train.eval_batch_size={config.train.eval_batch_size} is "
                                f"not divisible by the data-parallel size {dp}; use a multiple "
                                f"of {dp}")
+    if jax.process_count() > 1 and jax.process_index() == 0:
+        log.info("mesh %s: the batch's slices by process: %s", dict(mesh.shape), shd.slice_hosts(mesh))
     return mesh
 
 

@@ -1,0 +1,150 @@
+"""Dev metrics on a pod do not depend on the order of its devices (the multi-host tier:
+`make test-multihost`).
+
+A TPU torus orders a host's chips by their coordinates, so a host's rows of a batch need not be
+one block of the mesh's batch axis. JTB_TEST_DEVICE_ORDER=interleaved gives CPU processes that
+order (process 0's first device, process 1's first, ...). Under it, and in plain order, with
+4 processes x 2 CPU devices and 2 x 4, on SST-2 (real data, a small random-init BERT that
+learns to ~0.6 in 80 steps, so that a score paired with the wrong examples falls to ~0.5):
+
+- fine-tuning reports the dev accuracy a 1-process run reports (the same model up to float
+  reductions) and its export scores the same in PyTorch `transformers`;
+- task distillation (the intermediate layers with the teacher's per-token cache, then the
+  prediction layer) does the same against 1-process stages.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+
+import numpy as np
+import pytest
+
+from helpers import tiny_run as T
+from helpers import torch_rescore as R
+
+pytestmark = pytest.mark.multihost
+
+REPO = T.REPO
+N_DEV = 872                                  # SST-2's dev set
+# Different float reductions (8 devices vs 1) may flip an example that sits on the boundary.
+ONE_PROCESS_SLACK = 3 / N_DEV
+TIMEOUT = 400
+
+
+def _glue(shared_dir) -> str:
+    return str(shared_dir / "data" / "glue")
+
+
+def _finetune_args(wd, teacher, glue):
+    return ["--config=configs/finetune_teacher.py:sst2", f"--workdir={wd}",
+            f"--config.teacher.path={teacher}", f"--config.data.glue_dir={glue}",
+            "--config.data.train_subset=3000", "--config.train.num_steps=80",
+            "--config.student.dropout=False", "--config.optim.learning_rate=3e-3",
+            "--config.train.log_every=40", "--config.train.checkpoint_every=40"]
+
+
+def _intermediate_args(wd, teacher, glue):
+    return ["--config=configs/task_distill.py:sst2_intermediate", f"--workdir={wd}",
+            f"--config.teacher.path={teacher}", f"--config.data.glue_dir={glue}",
+            "--config.data.train_subset=3000", "--config.train.num_steps=40",
+            "--config.student.init=random", "--config.student.num_hidden_layers=1",
+            "--config.student.hidden_size=32", "--config.student.intermediate_size=64",
+            "--config.student.num_attention_heads=4", "--config.student.dropout=False",
+            "--config.teacher.cache_tokens=always", "--config.optim.learning_rate=3e-3",
+            "--config.train.log_every=20", "--config.train.checkpoint_every=20"]
+
+
+def _pred_args(wd, teacher, student, glue):
+    return ["--config=configs/task_distill.py:sst2_pred", f"--workdir={wd}",
+            f"--config.teacher.path={teacher}", f"--config.student.path={student}",
+            f"--config.data.glue_dir={glue}", "--config.data.train_subset=3000",
+            "--config.train.num_steps=80", "--config.student.dropout=False",
+            "--config.optim.learning_rate=3e-3", "--config.train.log_every=40",
+            "--config.train.checkpoint_every=40"]
+
+
+def _env(cache, order="plain"):
+    return T.env(**T.cache_env(cache), JTB_TEST_DEVICE_ORDER=order)
+
+
+def _one(args, env):
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *map(str, args)], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+def _many(n, d, args, env, logs):
+    res = subprocess.run(["bash", str(REPO / "launch" / "local_multiprocess.sh"), "-n", str(n),
+                          "-d", str(d), "-q", "-t", str(TIMEOUT), "-l", str(logs), "--",
+                          *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=TIMEOUT + 60)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return (pathlib.Path(logs) / "process_0.log").read_text()
+
+
+def _acc(wd) -> float:
+    with open(os.path.join(wd, "summary.json")) as fh:
+        return json.load(fh)["best"]["acc"]
+
+
+def _check_against(wd, ref_acc, glue, log0, n, order):
+    """The run's own dev accuracy = its export's in PyTorch, and = the 1-process run's."""
+    hosts = {"interleaved": " ".join(str(i % n) for i in range(8)),
+             "plain": " ".join(str(i * n // 8) for i in range(8))}[order]
+    assert f"the batch's slices by process: {hosts}" in log0, log0[-3000:]
+    reported = _acc(wd)
+    torch_acc, pred = R.sst2_accuracy(os.path.join(wd, "export"), glue)
+    # The check has teeth only if the model tells the classes apart (else any pairing scores
+    # the majority rate).
+    assert 0.1 < pred.mean() < 0.9, pred.mean()
+    assert abs(reported - torch_acc) < 0.5 / N_DEV, (reported, torch_acc)
+    assert abs(reported - ref_acc) <= ONE_PROCESS_SLACK, (reported, ref_acc)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return T.shared_dirs(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(setup, shared_dir, tmp_path_factory):
+    """1 process, 1 device: the teacher fine-tuned, then both distillation stages."""
+    teacher, cache = setup
+    glue, base = _glue(shared_dir), tmp_path_factory.mktemp("pod_1p")
+    _one(_finetune_args(base / "ft", teacher, glue), _env(cache))
+    ref = {"ft": base / "ft"}
+    _one(_intermediate_args(base / "int", base / "ft" / "export", glue), _env(cache))
+    _one(_pred_args(base / "pred", base / "ft" / "export", base / "int" / "export", glue),
+         _env(cache))
+    ref.update(int=base / "int", pred=base / "pred")
+    assert _acc(ref["ft"]) > 0.55 and _acc(ref["pred"]) > 0.52, (_acc(ref["ft"]), _acc(ref["pred"]))
+    return ref
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n,d,order", [(4, 2, "interleaved"), (2, 4, "interleaved"),
+                                       (2, 4, "plain")])
+def test_finetune_dev_metrics_do_not_depend_on_device_order(n, d, order, setup, reference,
+                                                            shared_dir, tmp_path):
+    _, cache = setup
+    glue = _glue(shared_dir)
+    log0 = _many(n, d, _finetune_args(tmp_path / "wd", setup[0], glue), _env(cache, order),
+                 tmp_path / "logs")
+    _check_against(tmp_path / "wd", _acc(reference["ft"]), glue, log0, n, order)
+
+
+@pytest.mark.timeout(900)
+def test_task_distillation_dev_metrics_on_an_interleaved_mesh(setup, reference, shared_dir,
+                                                              tmp_path):
+    _, cache = setup
+    glue, teacher = _glue(shared_dir), reference["ft"] / "export"
+    env = _env(cache, "interleaved")
+    log0 = _many(2, 4, _intermediate_args(tmp_path / "int", teacher, glue), env, tmp_path / "l1")
+    assert "teacher per-token cache: yes" in log0, log0[-3000:]
+    log0 = _many(2, 4, _pred_args(tmp_path / "pred", teacher, tmp_path / "int" / "export", glue),
+                 env, tmp_path / "l2")
+    _check_against(tmp_path / "pred", _acc(reference["pred"]), glue, log0, 2, "interleaved")
