@@ -9,7 +9,7 @@ export MALLOC_ARENA_MAX := 1
 export MALLOC_MMAP_THRESHOLD_ := 17179869184
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-multihost demo bench clean
 
 install: $(STAMP)
 
@@ -33,7 +33,13 @@ $(STAMP): pyproject.toml Makefile
 # Under the CLI's allocator (tcmalloc where installed: the in-process compiles run ~30% faster).
 # PYTEST_ARGS: e.g. PYTEST_ARGS="-n 0" (serial) or PYTEST_ARGS="-k resume".
 test: install
-	$(BIN)/python -m jax_tinybert.speed.malloc $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS) tests
+	$(BIN)/python -m jax_tinybert.speed.malloc $(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 -m "not multihost" $(PYTEST_ARGS) tests
+
+# The multi-host tier: several local processes as the hosts of a pod (2-4 processes x 2-4 CPU
+# devices, device order interleaved as on a TPU torus and plain; docs/scaling.md). One at a time:
+# each test already runs several processes on the cores.
+test-multihost: install
+	$(BIN)/python -m jax_tinybert.speed.malloc $(BIN)/python -m pytest -q -n 0 --durations=15 -m multihost $(PYTEST_ARGS) tests
 
 # WORKDIR=DIR: where the demo writes (default runs/demo). DEMO_ARGS: extra config overrides,
 # e.g. DEMO_ARGS="--config.demo_steps.teacher=40 --config.data.synthetic_train=500" (a smaller run).

@@ -120,6 +120,8 @@ def text(prog: str = "jax-tinybert") -> str:
         "  --coordinator=HOST:PORT --num_processes=N --process_id=I   multi-process runs",
         "  --cluster=auto|none|gcetpu|gketpu|slurm|ompi|...   without --coordinator: how the",
         "                      job is found (auto: the first cluster JAX detects)",
+        "  --check             pre-flight: the config on a few batches on every host (train,",
+        "                      checkpoint save/restore, eval), one line per host, then exit",
         "  --helpfull          every flag, including absl's",
         "",
         "example (the TinyBERT recipe on SST-2; README.md has all of it):",

@@ -83,7 +83,8 @@ def plan_config(*, objective: str = "tinybert_intermediate", objective_cfg: Opti
                 optim_cfg: Optional[dict] = None, grad_accum: int = 1,
                 fsdp_min_size: int = 16384, student_dropout: bool = True,
                 teacher_dtype: str = "float32", student_dtype: str = "float32",
-                remat: bool = False, split_update: str = "auto") -> ml_collections.ConfigDict:
+                remat: bool = False, split_update: str = "auto",
+                teacher_placement: str = "auto") -> ml_collections.ConfigDict:
     """The run config the plan stands for: config_base's defaults plus the planner's options."""
     c = config_base.base_config()
     c.objective.name = objective
@@ -93,6 +94,7 @@ def plan_config(*, objective: str = "tinybert_intermediate", objective_cfg: Opti
     c.train.grad_accum = grad_accum
     c.train.split_update = split_update
     c.mesh.fsdp_min_size = fsdp_min_size
+    c.mesh.teacher = teacher_placement
     c.student.update(dict(dropout=student_dropout, dtype=student_dtype, remat=remat))
     c.teacher.dtype = teacher_dtype
     return c
@@ -157,7 +159,8 @@ def plan_one(teacher: str, student: str, *, batch: int, seq_len: int, mesh_spec:
              devices=None, objective: str = "tinybert_intermediate", grad_accum: int = 1,
              fsdp_min_size: int = 16384, teacher_dtype: str = "float32",
              student_dtype: str = "float32", remat: bool = False,
-             peak_tflops: Optional[float] = None, step_time: Optional[float] = None) -> dict:
+             peak_tflops: Optional[float] = None, step_time: Optional[float] = None,
+             teacher_placement: str = "auto") -> dict:
     """Compile one configuration; the report as a dict. teacher/student: preset names or
     `BertConfig`s. devices: the devices of the mesh (default: all)."""
     tcfg = bert_config(teacher, max_len=seq_len) if isinstance(teacher, str) else teacher
@@ -167,7 +170,7 @@ def plan_one(teacher: str, student: str, *, batch: int, seq_len: int, mesh_spec:
     step, state_abs, teacher_abs, obj, cached = build_step(
         tcfg, scfg, objective=objective, mesh=mesh, grad_accum=grad_accum,
         fsdp_min_size=fsdp_min_size, teacher_dtype=teacher_dtype, student_dtype=student_dtype,
-        remat=remat)
+        remat=remat, teacher_placement=teacher_placement)
     bsh = shd.batch_sharding(mesh)
     spec = batch_spec(batch, seq_len, labels=objective != "tinybert_intermediate", cached=cached)
     batch_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh) for k, v in spec.items()}
@@ -246,6 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--teacher_dtype", default="float32", choices=DTYPES)
     p.add_argument("--student_dtype", default="float32", choices=DTYPES)
     p.add_argument("--remat", action="store_true")
+    p.add_argument("--teacher_placement", default="auto", choices=("auto", "replicated", "sharded"),
+                   help="config.mesh.teacher (auto: whole where the memory is unknown, as on CPU)")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="the chip's peak TFLOP/s (e.g. 197 for a TPU v5e bf16, 989 H100 bf16 dense)")
     p.add_argument("--step_time", type=float, default=None, help="target seconds per step")
@@ -289,7 +294,7 @@ def main(argv=None) -> int:
                          grad_accum=args.grad_accum, fsdp_min_size=args.fsdp_min_size,
                          teacher_dtype=args.teacher_dtype, student_dtype=args.student_dtype,
                          remat=args.remat, peak_tflops=args.peak_tflops,
-                         step_time=args.step_time)
+                         step_time=args.step_time, teacher_placement=args.teacher_placement)
             r["mesh_name"] = m
             rows.append(r)
             print(f"compiled {n} devices, mesh {m}: peak {r['peak_bytes_per_device'] / GIB:.2f} "

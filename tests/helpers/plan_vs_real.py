@@ -27,11 +27,12 @@ scfg = BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_atten
 B, T = 16, 32
 out = {}
 for name, spec in (("dp", {"data": -1}), ("fsdp", {"data": 1, "fsdp": -1})):
-    p = plan.plan_one(tcfg, scfg, batch=B, seq_len=T, mesh_spec=spec, fsdp_min_size=1024)
+    p = plan.plan_one(tcfg, scfg, batch=B, seq_len=T, mesh_spec=spec, fsdp_min_size=1024,
+                      teacher_placement="sharded")
 
     # The real thing: real params on the mesh, the step built by the build layer.
     mesh = shd.make_mesh(spec)
-    config = plan.plan_config(fsdp_min_size=1024)
+    config = plan.plan_config(fsdp_min_size=1024, teacher_placement="sharded")
     obj = build.build_objective(config, scfg, tcfg)
     student = build.student_module(config, scfg)
     teacher = build.teacher_module(config, tcfg, classifier=False)
