@@ -246,8 +246,8 @@ def main(argv=None) -> int:
                    help="dp | fsdp | data=D,fsdp=F,model=M (one axis may be -1)")
     p.add_argument("--grad_accum", type=int, default=1)
     p.add_argument("--fsdp_min_size", type=int, default=16384)
-    p.add_argument("--teacher_dtype", default="float32", choices=DTYPES)
-    p.add_argument("--student_dtype", default="float32", choices=DTYPES)
+    for who in ("teacher", "student"):
+        p.add_argument(f"--{who}_dtype", default="float32", choices=DTYPES)
     p.add_argument("--remat", action="store_true")
     p.add_argument("--teacher_placement", default="auto", choices=("auto", "replicated", "sharded"),
                    help="config.mesh.teacher (auto: whole where the memory is unknown, as on CPU)")
