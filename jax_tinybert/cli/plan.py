@@ -248,9 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--fsdp_min_size", type=int, default=16384)
     for who in ("teacher", "student"):
         p.add_argument(f"--{who}_dtype", default="float32", choices=DTYPES)
+    p.add_argument("--teacher_placement", default="auto", choices=("auto", "replicated", "sharded"))
     p.add_argument("--remat", action="store_true")
-    p.add_argument("--teacher_placement", default="auto", choices=("auto", "replicated", "sharded"),
-                   help="config.mesh.teacher (auto: whole where the memory is unknown, as on CPU)")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="the chip's peak TFLOP/s (e.g. 197 for a TPU v5e bf16, 989 H100 bf16 dense)")
     p.add_argument("--step_time", type=float, default=None, help="target seconds per step")
