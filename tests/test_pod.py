@@ -148,3 +148,18 @@ def test_task_distillation_dev_metrics_on_an_interleaved_mesh(setup, reference, 
     log0 = _many(2, 4, _pred_args(tmp_path / "pred", teacher, tmp_path / "int" / "export", glue),
                  env, tmp_path / "l2")
     _check_against(tmp_path / "pred", _acc(reference["pred"]), glue, log0, 2, "interleaved")
+
+
+@pytest.mark.timeout(600)
+def test_preflight_check_reports_every_host(setup, shared_dir, tmp_path):
+    """`--check` on 4 processes x 2 devices, interleaved: one line per host with its devices
+    and its slices of the batch axis, exit 0, nothing of the check's run left behind."""
+    teacher, cache = setup
+    log0 = _many(4, 2, _finetune_args(tmp_path / "wd", teacher, _glue(shared_dir)) + ["--check"],
+                 _env(cache, "interleaved"), tmp_path / "logs")
+    assert "[check] 4 process(es), 8 device(s)" in log0, log0[-3000:]
+    for pid in range(4):
+        assert (f"[check] process {pid}: 2 local device(s) [{2 * pid}, {2 * pid + 1}], batch "
+                f"slices [{pid}, {pid + 4}], 8 train rows a step") in log0, log0[-3000:]
+    assert "resumed from step 1" in log0 and "[check] passed" in log0
+    assert not (tmp_path / "wd" / "check").exists()
