@@ -121,8 +121,30 @@ def test_batch_not_divisible_by_data_axis(tmp_path):
                         "--config=configs/finetune_teacher.py:sst2", f"--workdir={tmp_path / 'w'}",
                         "--config.train.batch_size=12", "--config.data.kind=synthetic"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0
-    assert "config.train.batch_size=12" in r.stderr and "data-parallel size 8" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config.train.batch_size=12 cannot be split over the mesh"), last
+    assert "8 data-parallel devices" in last and "the smallest valid global batch is 8" in last
+
+
+def test_per_device_batch_sets_the_global_batch_from_the_devices(tmp_path):
+    env = dict(os.environ, JTB_CPU_DEVICES="4")
+    r = subprocess.run([sys.executable, "-m", "jax_tinybert.main",
+                        "--config=configs/finetune_teacher.py:sst2", f"--workdir={tmp_path / 'w'}",
+                        "--config.train.per_device_batch=3", "--config.data.kind=synthetic",
+                        "--config.data.synthetic_train=48", "--config.data.synthetic_eval=10",
+                        "--config.train.eval_batch_size=10", "--config.train.num_steps=2",
+                        "--config.student.init=random", "--config.student.num_hidden_layers=1",
+                        "--config.student.hidden_size=16", "--config.student.intermediate_size=32",
+                        "--config.student.num_attention_heads=2", "--config.export.enabled=False"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "train.per_device_batch=3 on 4 data-parallel devices: global batch 12" in out, out[-3000:]
+    assert "2 steps of 12 on 4 device(s)" in out
+    with open(tmp_path / "w" / "config.json") as fh:
+        recorded = json.load(fh)["config"]
+    assert recorded["train.batch_size"] == 12 and recorded["train.eval_batch_size"] == 12
 
 
 def test_task_configs_choose_buckets_from_the_data(tmp_path, glue_dir, teacher_dir):
