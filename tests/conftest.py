@@ -75,6 +75,16 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))
+    # The multi-host tier (marker multihost: tests/test_pod.py, tests/test_multihost.py, several
+    # processes per test) is not part of `make test` nor of a bare `pytest tests`: it runs with
+    # `-m multihost` (make test-multihost), or when a file is named on the command line.
+    if "multihost" in (config.option.markexpr or "") or any(
+            str(a).split("::")[0].endswith(".py") for a in config.args):
+        return
+    tier = [it for it in items if it.get_closest_marker("multihost")]
+    if tier:
+        config.hook.pytest_deselected(items=tier)
+        items[:] = [it for it in items if not it.get_closest_marker("multihost")]
 
 
 def pytest_unconfigure(config):

@@ -41,6 +41,18 @@ class Coordinator:
         self._counter += 1
         _client().wait_at_barrier(f"{self._ns}_{tag}_{self._counter}", BARRIER_TIMEOUT_MS)
 
+    def from_process_0(self, value: str, tag: str) -> str:
+        """Process 0's `value`, on every process (the others' own `value` is ignored)."""
+        if jax.process_count() == 1:
+            return value
+        client = _client()
+        self._counter += 1
+        key = f"{self._ns}/{tag}_{self._counter}"
+        if jax.process_index() == 0:
+            client.key_value_set(key, value, allow_overwrite=True)
+            return value
+        return client.blocking_key_value_get(key, BARRIER_TIMEOUT_MS)
+
     def any_process(self, flag: bool, tag: str) -> bool:
         """Logical OR of `flag` over all processes."""
         if jax.process_count() == 1:

@@ -55,7 +55,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 from typing import Any, Mapping
 
 import jax
@@ -64,48 +63,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jax_tinybert.train import digests
+from jax_tinybert.train.orbax_quiet import quiet_orbax_failures
 from jax_tinybert import fs
 from jax_tinybert.parallel.coordination import Coordinator
 from jax_tinybert.errors import UserError, is_disk_full
 
 log = logging.getLogger(__name__)
-
-
-class _OrbaxDiskFullReports(logging.Filter):
-    """Drops orbax's own ERROR reports of a full disk: each of its save threads logs the ENOSPC
-    with a traceback (~320 lines for one failed save), and the save then raises DiskFull, one
-    line. Kept with --verbose (this package's logger at DEBUG)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if (record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
-                or log.isEnabledFor(logging.DEBUG)):
-            return True
-        exc = record.exc_info[1] if record.exc_info else None
-        return not ((exc is not None and is_disk_full(exc))
-                    or "No space left on device" in record.getMessage())
-
-
-_ORBAX_DISK_FULL_REPORTS = _OrbaxDiskFullReports()
-_previous_unraisablehook = None
-
-
-def _quiet_closed_loop(unraisable) -> None:
-    """sys.unraisablehook that drops TensorStore's 'Event loop is closed' (a write callback
-    arriving after orbax closed the loop of a save that failed, printed as a bare traceback from
-    C++), unless --verbose; everything else goes to the hook it replaced."""
-    if not (isinstance(unraisable.exc_value, RuntimeError) and unraisable.object is None
-            and str(unraisable.exc_value) == "Event loop is closed"
-            and not log.isEnabledFor(logging.DEBUG)):
-        (_previous_unraisablehook or sys.__unraisablehook__)(unraisable)
-
-
-def _quiet_orbax_failures() -> None:
-    """Installs the two filters above, once per process."""
-    global _previous_unraisablehook
-    logging.getLogger("absl").addFilter(_ORBAX_DISK_FULL_REPORTS)   # a set: added once
-    if sys.unraisablehook is not _quiet_closed_loop:
-        _previous_unraisablehook = sys.unraisablehook
-        sys.unraisablehook = _quiet_closed_loop
 
 
 __all__ = ["Checkpointer", "abstract_like", "DiskFull", "state_bytes", "check_free_space"]
@@ -227,13 +190,14 @@ class Checkpointer:
         self._async = async_save
         # Per-run namespace for our coordination-service keys, so two Checkpointers in one
         # job (e.g. two distillation stages) never share a barrier (restore agreement only).
-        self._coord = Coordinator(
-            "jtb_ckpt_" + hashlib.sha1(os.fspath(self.workdir).encode()).hexdigest()[:10])
+        self._namespace = "jtb_ckpt_" + hashlib.sha1(
+            os.fspath(self.workdir).encode()).hexdigest()[:10]
+        self._coord = Coordinator(self._namespace)
         self._digesters: dict[int, digests.Digester] = {}
-        _quiet_orbax_failures()
+        quiet_orbax_failures()
 
         self._mngr = self._make_manager(
-            self.workdir / "checkpoints",
+            self.workdir / "checkpoints", "periodic",
             max_to_keep=max_to_keep,
             # No InitialSavePolicy: saves happen exactly on the interval (or when forced), so
             # the loop's behaviour does not depend on whether the directory was empty.
@@ -245,18 +209,23 @@ class Checkpointer:
         if keep_best:
             name = self.best_metric
             self._best_mngr = self._make_manager(
-                self.workdir / "best", max_to_keep=1, best_fn=lambda m: float(m[name]),
+                self.workdir / "best", "best", max_to_keep=1, best_fn=lambda m: float(m[name]),
                 best_mode=best_mode, keep_checkpoints_without_metrics=False)
             self._best_value = self._read_best_value()
 
     # ------------------------------------------------------------------ construction
-    def _make_manager(self, directory, **options):
+    def _make_manager(self, directory, kind: str, **options):
         digester = digests.Digester(epath.Path(directory))
         async_options = (ocp.AsyncOptions(post_finalization_callback=digester)
                          if self._async else None)
+        # Barrier names of their own per manager: orbax names several of a save's barriers
+        # by the step alone (async_commit_complete.<step>, set_value_start), so the periodic
+        # and the best save of one step would otherwise meet at the same barrier (see _save).
+        multiprocessing = ocp.options.MultiprocessingOptions(
+            barrier_sync_key_prefix=f"{self._namespace}_{kind}")
         opts = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self._async, create=True, async_options=async_options,
-            **options)
+            multiprocessing_options=multiprocessing, **options)
         # On a local disk the state is written without zstd: compressing a 4-layer student's
         # ~170 MB state (params, AdamW moments) cost ~0.3-0.4 CPU-s per save, while training waits
         # for the cores, to make it a third smaller (unseen vocabulary rows have zero moments);
@@ -270,7 +239,21 @@ class Checkpointer:
         return mngr
 
     def _save(self, mngr, step: int, args, **kw) -> bool:
-        """mngr.save, with the step's files hashed into digests.json once written."""
+        """mngr.save, with the step's files hashed into digests.json once written; the other
+        manager's save in flight finished first."""
+        # One save in flight at a time over both managers. The best and the periodic save of
+        # an evaluated step, at once, ran their multi-host barriers from two threads under one
+        # name ("Barrier ... set_value_start is already ongoing") and aborted the job. The
+        # prefixes of _make_manager keep the names apart; this wait rules the overlap out
+        # whatever orbax's barriers are named (every process makes the same calls in the same
+        # order, so all wait for the same save). Its cost: the rest of the other save's write.
+        for other in (self._mngr, self._best_mngr):
+            if other is not None and other is not mngr:
+                try:
+                    other.wait_until_finished()
+                except BaseException as e:
+                    self._raise_if_disk_full(e)
+                    raise
         digester = self._digesters[id(mngr)]
         if jax.process_index() == 0:  # orbax calls the digester on process 0 only
             digester.pending.append(step)
@@ -488,10 +471,19 @@ class Checkpointer:
 
     @staticmethod
     def _restore_step(mngr, step, abstract):
-        r = mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)),
-            meta=ocp.args.JsonRestore()))
+        """Reads `step` of `mngr` on this process alone: orbax's restore ends at a barrier
+        of every process, which a process whose read failed never reaches (it goes on to the
+        agreement in _restore_first_good, so each would wait for the other until a timeout).
+        Each process reads its own shards (no orbax restore exchanges data), so this orbax
+        Checkpointer is told this process is the only one; the agreement comes after."""
+        me = jax.process_index()
+        alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
+                              multiprocessing_options=alone) as reader:
+            r = reader.restore(mngr.directory / str(step), args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)),
+                meta=ocp.args.JsonRestore()))
         meta = dict(r["meta"] or {})
         meta.pop(_DIGESTED, None)
         return step, r["state"], meta

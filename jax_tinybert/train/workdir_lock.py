@@ -12,8 +12,10 @@ The lock is an `flock` on `<workdir>/.jtb-lock`, which the kernel drops when the
 process ends, however it ends (SIGKILL, a crash, a lost node): there is never a stale lock to
 clear by hand. The file stays (removing it would let two runs lock two different files); it
 holds who has the lock, for the message, and is emptied on release. Only process 0 of a
-multi-process run takes it. A filesystem that refuses `flock` (some FUSE mounts) gets a warning
-and runs unlocked.
+multi-process run takes it, and tells the others what it found: refused, every process stops
+with the same line (the others would otherwise build their data and wait at their first
+collective for a process 0 that has gone). A filesystem that refuses `flock` (some FUSE mounts)
+gets a warning and runs unlocked.
 
 A workdir in an object store (gs://) has no flock: there the lock is a lease, an object
 `<workdir>/.jtb-lock.<n>` created only if absent (GCS's ifGenerationMatch=0 precondition, so of
@@ -29,6 +31,7 @@ over their skew.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -41,7 +44,8 @@ from typing import Dict, Iterator, Optional, Tuple
 import jax
 
 from jax_tinybert import fs
-from jax_tinybert.errors import UserError
+from jax_tinybert.errors import UserError, one_line
+from jax_tinybert.parallel.coordination import Coordinator
 
 try:
     import fcntl
@@ -218,12 +222,41 @@ def _hold_remote(workdir: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def hold(workdir: str) -> Iterator[None]:
-    """Holds `workdir` (created if missing) for this process while the block runs.
+    """Holds `workdir` (created if missing) for this job while the block runs.
 
-    Raises WorkdirBusy, naming the holder and the fix, when another live process holds it."""
-    if jax.process_index() != 0:
-        yield
+    Raises WorkdirBusy, naming the holder and the fix, when another live process holds it; in
+    a multi-process job on every process (process 0 takes the lock, the others hear from it)."""
+    if jax.process_count() == 1:
+        with _hold_here(workdir):
+            yield
         return
+    # Every process of the job enters hold() for the same workdirs in the same order.
+    coord = Coordinator("jtb_lock_" + hashlib.sha1(workdir.encode()).hexdigest()[:10])
+    with contextlib.ExitStack() as stack:
+        verdict = ""
+        if jax.process_index() == 0:
+            try:
+                stack.enter_context(_hold_here(workdir))
+            except WorkdirBusy as e:
+                verdict = _BUSY + str(e)
+            except BaseException as e:
+                coord.from_process_0(f"process 0 could not take the lock of workdir {workdir} "
+                                     f"({one_line(e)[:300]}); see its log", "verdict")
+                raise
+        verdict = coord.from_process_0(verdict, "verdict")
+        if verdict.startswith(_BUSY):
+            raise WorkdirBusy(verdict[len(_BUSY):])
+        if verdict:
+            raise UserError(verdict)
+        yield
+
+
+_BUSY = "busy:"   # process 0's verdict: refused (its message follows); "" = held
+
+
+@contextlib.contextmanager
+def _hold_here(workdir: str) -> Iterator[None]:
+    """hold() on this process alone."""
     if fs.is_remote(workdir):
         with _hold_remote(workdir):
             yield

