@@ -82,6 +82,20 @@ def _disk_full(e: BaseException) -> bool:
     return is_disk_full(e) or getattr(e, "errno", None) in (errno.EDQUOT, errno.EFBIG)
 
 
+# How ArrayRecord's C++ writer reports a failed write (a RuntimeError with the OS message).
+_NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded")
+
+
+def _ar_call(fn, *args):
+    """fn(*args) with ArrayRecord's out-of-space RuntimeError raised as OSError(ENOSPC)."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        if any(m in str(e) for m in _NO_SPACE):
+            raise OSError(errno.ENOSPC, str(e)) from e
+        raise
+
+
 # ----------------------------------------------------------------------------- tokenizing
 
 def tokenize_documents(backend, docs: Sequence[List[str]], dtype, sep_id: int):
@@ -206,7 +220,7 @@ class RowWriter:
             name = f"rows-{len(self.shards):05d}.array_record"
             self.w = ArrayRecordWriter(os.path.join(self.tmp, name), RECORD_OPTIONS)
             self.shards.append({"file": name, "rows": 0, "tokens": 0})
-        self.w.write(row.tobytes())
+        _ar_call(self.w.write, row.tobytes())
         sh = self.shards[-1]
         sh["rows"] += 1
         sh["tokens"] += len(row)
@@ -215,8 +229,8 @@ class RowWriter:
             self._close_shard()
 
     def _close_shard(self) -> None:
-        self.w.close()
-        self.w = None
+        w, self.w = self.w, None
+        _ar_call(w.close)
         sh = self.shards[-1]
         p = os.path.join(self.tmp, sh["file"])
         sh["bytes"], sh["sha256"] = os.path.getsize(p), shard_sha256(p)
@@ -424,7 +438,6 @@ def prepare(source_specs: Sequence[str], out: str, tokenizer, settings: Settings
     except OSError as e:
         if not _disk_full(e):
             raise
-        _clean_stale(out)
         raise UserError(f"disk full while preparing {out} ({e.strerror or e}): nothing was "
                         f"published; free space (about 2.5 GB per 1B tokens at seq_len 128) "
                         "and run again: finished parts are reused") from None
@@ -440,7 +453,7 @@ def _prepare_parts(sources, out, parts_dir, tokenizer, s, shard, num_shards, fin
         total = sum(x.total_bytes for x in sources)
         try:
             info = run_worker(sources, tokenizer, s, final, shard, num_shards, total)
-        except OSError:
+        except BaseException:
             shutil.rmtree(f"{final}.tmp-{_host_pid()}", ignore_errors=True)
             raise
         dt = time.perf_counter() - t0
@@ -462,8 +475,10 @@ def _prepare_parts(sources, out, parts_dir, tokenizer, s, shard, num_shards, fin
     _clean_stale(out)
     try:
         m = assemble(out, parts_dir, num_shards, tokenizer, s, meta)
-    except OSError:
-        _clean_stale(out)
+    except BaseException:
+        # A failure or Ctrl-C (a kill leaves both, found stale by the next run).
+        shutil.rmtree(os.path.join(parts_dir, "assembling"), ignore_errors=True)
+        shutil.rmtree(f"{out}.tmp-{_host_pid()}", ignore_errors=True)
         raise
     c = m["counts"]
     print(f"{out}: {m['rows']:,} rows of <= {s.seq_len} tokens ({m['tokens']:,} tokens) in "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from typing import Dict, Optional
 
@@ -17,6 +18,8 @@ import numpy as np
 
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
 from jax_tinybert.errors import UserError
+
+log = logging.getLogger(__name__)
 
 FORMAT = "jax_tinybert.prepared/1"
 MANIFEST = "manifest.json"
@@ -107,9 +110,11 @@ def read_rows(path: str, manifest: Optional[Dict] = None, check: bool = True) ->
     return EncodedDataset(ids, np.zeros(len(ids), np.int8), offsets, None, int(pad or 0))
 
 
-def load_prepared(path: str, tokenizer, seq_len: Optional[int] = None) -> EncodedDataset:
+def load_prepared(path: str, tokenizer, seq_len: Optional[int] = None,
+                  mode: Optional[str] = None) -> EncodedDataset:
     """A run's view of prepared folder `path`: refuses a manifest made with another tokenizer
-    (naming both) or another seq_len, then `read_rows` (shards checked against their sha256)."""
+    (naming both) or another seq_len, then `read_rows` (shards checked against their sha256).
+    A `mode` other than the folder's is only logged: the rows were packed at prepare time."""
     path = os.path.expanduser(path)
     m = read_manifest(path)
     want = tokenizer_fingerprint(tokenizer)
@@ -125,4 +130,9 @@ def load_prepared(path: str, tokenizer, seq_len: Optional[int] = None) -> Encode
         raise PreparedError(f"{path} holds rows of seq_len={have}, the run has "
                             f"data.seq_len={seq_len}; set --config.data.seq_len={have} or prepare "
                             f"again with --seq_len {seq_len}")
-    return read_rows(path, m)
+    if mode and mode != m["settings"]["mode"]:
+        log.warning("%s was packed in mode %r; data.corpus_mode=%r does not apply to it", path,
+                    m["settings"]["mode"], mode)
+    ds = read_rows(path, m)
+    log.info("read %d prepared rows (%d tokens) from %s", len(ds), int(ds.offsets[-1]), path)
+    return ds
