@@ -39,14 +39,14 @@ import numpy as np
 from jax_tinybert.data import sources as src
 from jax_tinybert.data.prepared import (FORMAT, MANIFEST, RECORD_OPTIONS, PreparedError,
                                         read_manifest, shard_sha256)
-from jax_tinybert.data.tokenize import tokenizer_fingerprint
+from jax_tinybert.data.tokenize import load_data_tokenizer, tokenizer_fingerprint
 from jax_tinybert.errors import UserError, is_disk_full, tool_exit
 from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
 
 BLOCK = 1024              # documents per block of the worker split
-BATCH_CHARS = 4 << 20     # text per encode_batch call: large enough to keep every core busy
+BATCH_CHARS = 1 << 20     # text per encode_batch call: ~15k lines, every core busy
 READ_TOKENS = 1 << 23     # tokens per read of a part's stream while packing
 DOC_DTYPE = np.dtype([("index", "<i8"), ("length", "<i8"), ("hash", "V16")])
 
@@ -103,7 +103,10 @@ def tokenize_documents(backend, docs: Sequence[List[str]], dtype, sep_id: int):
     [SEP], documents without pieces left out; lengths int64 [docs], 0 for those). One
     encode_batch call over all the lines."""
     lines = [line for d in docs for line in d]
-    ids = [e.ids for e in backend.encode_batch(lines, add_special_tokens=False)]
+    # encode_batch_fast (tokenizers >= 0.20): encode_batch without the character offsets,
+    # which packing does not read; the ids are the same.
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    ids = [e.ids for e in encode(lines, add_special_tokens=False)]
     line_len = np.fromiter(map(len, ids), np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype, count=int(line_len.sum()))
     per_doc = np.fromiter(map(len, docs), np.int64, count=len(docs))
@@ -151,13 +154,38 @@ class _Part:
         os.replace(self.tmp, final)
 
 
-def _flush(part: _Part, backend, batch, dtype, sep_id: int) -> None:
-    index = [i for i, _, _ in batch]
+def _tokenize_batch(backend, batch, dtype, sep_id: int):
     docs = [d for _, _, d in batch if d is not None]
     stream, lengths = tokenize_documents(backend, docs, dtype, sep_id)
     full = np.zeros(len(batch), np.int64)     # duplicates (d is None) keep length 0
     full[[j for j, (_, _, d) in enumerate(batch) if d is not None]] = lengths
-    part.add(stream, index, full, [h for _, h, _ in batch])
+    return stream, [i for i, _, _ in batch], full, [h for _, h, _ in batch]
+
+
+class _Pipeline:
+    """Tokenizes batch k on a thread while the caller reads batch k + 1 (encode_batch releases
+    the GIL): reading and hashing overlap the tokenizer instead of adding to it."""
+
+    def __init__(self, part: _Part, backend, dtype, sep_id: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1)
+        self.part, self.args, self.pending = part, (backend, dtype, sep_id), None
+
+    def submit(self, batch) -> None:
+        self.wait()
+        self.pending = self.pool.submit(_tokenize_batch, self.args[0], batch, *self.args[1:])
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.part.add(*self.pending.result())
+            self.pending = None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_worker(sources, tokenizer, s: Settings, final: str, shard: int, num_shards: int,
@@ -167,32 +195,36 @@ def run_worker(sources, tokenizer, s: Settings, final: str, shard: int, num_shar
     at assembly)."""
     tmp = f"{final}.tmp-{_host_pid()}"
     part = _Part(tmp)
-    backend, dtype, sep = tokenizer.backend_tokenizer, ids_dtype(tokenizer), tokenizer.sep_token_id
+    pipe = _Pipeline(part, tokenizer.backend_tokenizer, ids_dtype(tokenizer),
+                     tokenizer.sep_token_id)
     counter = src._Counter()
     seen = set()
     batch, chars, n_docs, n_mine = [], 0, 0, 0
     unit = "B" if total_bytes else "doc"
     with Progress(f"prepare {shard + 1}/{num_shards}", total=total_bytes or None,
                   unit=unit) as prog:
-        for i, lines in enumerate(src.documents(sources, s.mode, s.text_field, counter)):
-            n_docs = i + 1
-            if (i // BLOCK) % num_shards != shard:
-                continue
-            n_mine += 1
-            h = doc_hash(lines)
-            dup = s.dedup and h in seen
-            seen.add(h)
-            batch.append((i, h, None if dup else lines))
-            chars += 0 if dup else sum(map(len, lines))
-            if chars >= BATCH_CHARS:
-                _flush(part, backend, batch, dtype, sep)
-                batch, chars = [], 0
-                prog.set(counter.position if unit == "B" else n_docs)
-        if batch:
-            _flush(part, backend, batch, dtype, sep)
+        try:
+            for i, lines in enumerate(src.documents(sources, s.mode, s.text_field, counter)):
+                n_docs = i + 1
+                if (i // BLOCK) % num_shards != shard:
+                    continue
+                n_mine += 1
+                h = doc_hash(lines)
+                dup = s.dedup and h in seen
+                seen.add(h)
+                batch.append((i, h, None if dup else lines))
+                chars += 0 if dup else sum(map(len, lines))
+                if chars >= BATCH_CHARS:
+                    pipe.submit(batch)
+                    batch, chars = [], 0
+                    prog.set(counter.position if unit == "B" else n_docs)
+            if batch:
+                pipe.submit(batch)
+        finally:
+            pipe.close()
         prog.set(total_bytes or n_docs)
     info = {"shard": shard, "num_shards": num_shards, "documents_read": n_docs,
-            "documents": n_mine, "dtype": dtype.name}
+            "documents": n_mine, "dtype": ids_dtype(tokenizer).name}
     part.finish(final, info)
     return info
 
@@ -517,8 +549,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _load_tokenizer(name: str):
-    from jax_tinybert.data.tokenize import load_data_tokenizer
-
     try:
         tok = load_data_tokenizer(name)
     except (OSError, ValueError) as e:
