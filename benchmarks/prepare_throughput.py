@@ -92,7 +92,8 @@ def measure(corpus_dir: str, tok, rounds: int, seq_len: int):
         shutil.rmtree(work, ignore_errors=True)
     return {"files": len(files), "bytes": nbytes, "documents": len(docs), "pieces": pieces,
             "tokens": m["tokens"], "rows": m["rows"], "disk_bytes": disk, "seconds": secs,
-            "reuse_s": reuse_s, "read_s": read_s}
+            "reuse_s": reuse_s, "read_s": read_s, "part_s": m["seconds"]["parts"][0],
+            "assemble_s": m["seconds"]["assemble"]}
 
 
 def record_rows(res: dict) -> list:
@@ -115,6 +116,7 @@ def record(res: dict) -> str:
     meta = {"date": res["date"], "cpu": res["cpu"],
             "note": f"{res['files']} files, {res['bytes'] / 1e6:.1f} MB, {res['pieces']:,} "
                     f"pieces; {res['rows']:,} rows take {res['disk_bytes'] / 1e6:.1f} MB; "
+                    f"last prepare: part {res['part_s']:.2f} s + assembly {res['assemble_s']:.2f} s; "
                     f"rerun (reused) {res['reuse_s']:.2f} s, rows read back in "
                     f"{res['read_s']:.2f} s; load ~{res['load']:.1f} during the run"}
     return results.record("prepare_throughput", results.machine_kind(), record_rows(res),
@@ -151,6 +153,7 @@ def main(argv=None):
     print(f"disk: {res['disk_bytes'] * per_b / 1e9:.2f} GB per 1B tokens; prepare "
           f"{min(res['seconds']['prepare']) * per_b / 3600:.1f} h per 1B tokens on this machine; "
           f"rerun (reused) {res['reuse_s']:.2f} s; read back {res['read_s']:.2f} s; "
+          f"last prepare: part {res['part_s']:.2f} s + assembly {res['assemble_s']:.2f} s; "
           f"load {res['load']:.1f}")
     if args.record:
         print(f"recorded {os.path.relpath(record(res))}")

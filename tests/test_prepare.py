@@ -97,8 +97,9 @@ def test_local_tree_wikiextractor_txt_gz_bz2(tmp_path, tok):
         "AA/wiki_00", "AA/wiki_01.bz2", "AB/deep/notes.txt.gz"]
     # Content, not paths: the same files elsewhere give the same key.
     shutil.copytree(root, tmp_path / "moved")
+    os.utime(tmp_path / "moved" / "AA" / "wiki_00", (1, 1))     # touched: hashed again
     again = prepare.prepare([str(tmp_path / "moved")], str(tmp_path / "out"), tok, _settings())
-    assert again["key"] == m["key"]
+    assert again["key"] == m["key"] and again["created"] == m["created"]    # reused
     # documents mode: one document per line.
     m2 = prepare.prepare([str(root / "AA" / "wiki_00")], str(tmp_path / "docs"), tok,
                          _settings(mode="documents"))
@@ -180,6 +181,26 @@ def test_two_workers_equal_one_byte_for_byte(tmp_path, tok, monkeypatch):
     assert rows1 == _reference_rows(docs, tok)
     assert one["counts"]["duplicates_dropped"] == two["counts"]["duplicates_dropped"] == 3
     assert two["workers"] == 2 and not (tmp_path / "two.parts").exists()
+
+
+def test_concurrent_workers_assemble_once(tmp_path, tok, teacher_dir):
+    docs = _many_docs(2500)      # 3 blocks of 1,024: both workers tokenize
+    (tmp_path / "c.txt").write_text("\n\n".join("\n".join(d) for d in docs))
+    args = ["--source", str(tmp_path / "c.txt"), "--out", str(tmp_path / "out"), "--tokenizer",
+            str(teacher_dir), "--seq_len", str(SEQ), "--num_shards", "2"]
+    env = dict(os.environ, JTB_PROGRESS="0",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-m", "jax_tinybert.data.prepare", *args,
+                               "--shard", str(k)], env=env, stderr=subprocess.PIPE, text=True)
+             for k in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert sum("rows of <=" in e for e in errs) == 1          # one of them assembled
+    one = prepare.prepare([str(tmp_path / "c.txt")], str(tmp_path / "one"), tok,
+                          prepare.Settings(seq_len=SEQ))
+    assert _rows(tmp_path / "out")[0] == _rows(tmp_path / "one")[0]
+    assert one["counts"]["duplicates_dropped"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["c.txt", "one", "out"]
 
 
 def test_a_run_reads_the_prepared_rows(tmp_path, tok, shared_dir, teacher_dir):

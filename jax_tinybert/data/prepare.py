@@ -224,7 +224,8 @@ def run_worker(sources, tokenizer, s: Settings, final: str, shard: int, num_shar
             pipe.close()
         prog.set(total_bytes or n_docs)
     info = {"shard": shard, "num_shards": num_shards, "documents_read": n_docs,
-            "documents": n_mine, "dtype": ids_dtype(tokenizer).name}
+            "documents": n_mine, "dtype": ids_dtype(tokenizer).name,
+            "seconds": round(prog.elapsed, 2)}
     part.finish(final, info)
     return info
 
@@ -335,6 +336,7 @@ def assemble(out: str, parts_dir: str, num_shards: int, tokenizer, s: Settings,
              meta: Dict) -> Dict:
     """Packs the N parts into OUT's shards (temp folder, renamed into place); returns the
     manifest. `meta`: the key, sources and the rest the manifest records."""
+    t0 = time.perf_counter()
     loaded = [_load_part(parts_dir, k, num_shards) for k in range(num_shards)]
     runs, counts = merge_plan([d for _, d, _ in loaded], s.dedup)
     tmp = f"{out}.tmp-{_host_pid()}"
@@ -360,6 +362,8 @@ def assemble(out: str, parts_dir: str, num_shards: int, tokenizer, s: Settings,
              record_options=RECORD_OPTIONS, workers=num_shards, shards=shards,
              counts={k: v for k, v in counts.items() if k != "content_sha256"},
              content_sha256=counts["content_sha256"],
+             seconds={"parts": [i.get("seconds") for i, _, _ in loaded],
+                      "assemble": round(time.perf_counter() - t0, 2)},
              created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(m, f, indent=1)
