@@ -108,6 +108,33 @@ def test_local_tree_wikiextractor_txt_gz_bz2(tmp_path, tok):
     assert m2["key"] != m["key"]
 
 
+def test_bucket_sources(tmp_path, tok):
+    from helpers import gcs_emulator
+
+    if gcs_emulator.available() is not None:
+        pytest.skip(str(gcs_emulator.available()))
+    local = tmp_path / "corpus"
+    (local / "AA").mkdir(parents=True)
+    (local / "AA" / "wiki_00").write_text(WIKI)
+    (local / "AA" / "notes.txt.gz").write_bytes(gzip.compress(b"A note.\n\nAnother one.\n"))
+    (local / "AA" / "skip.md").write_text("not corpus text")
+    want = prepare.prepare([str(local)], str(tmp_path / "local"), tok, _settings())
+    with gcs_emulator.running():
+        from jax_tinybert import fs
+
+        fsys, _ = fs.url_fs(f"gs://{gcs_emulator.BUCKET}")
+        for f in ("AA/wiki_00", "AA/notes.txt.gz", "AA/skip.md"):
+            fsys.pipe_file(f"{gcs_emulator.BUCKET}/corpus/{f}", (local / f).read_bytes())
+        url = f"gs://{gcs_emulator.BUCKET}/corpus"
+        m = prepare.prepare([url], str(tmp_path / "gs"), tok, _settings())
+        g = prepare.prepare([url + "/*/wiki_*"], str(tmp_path / "glob"), tok, _settings())
+    assert _rows(tmp_path / "gs")[0] == _rows(tmp_path / "local")[0]
+    assert [f["name"] for f in m["source_identity"][0]["files"]] == ["AA/notes.txt.gz",
+                                                                     "AA/wiki_00"]
+    assert all(f.get("digest") for f in m["source_identity"][0]["files"])   # the bucket's hash
+    assert g["counts"]["documents"] == 3 and want["counts"]["documents"] == 5
+
+
 RECORDS = [{"id": 1, "text": "The first record.\nIts second line."},
            {"id": 2, "text": "Another record entirely."},
            {"id": 3, "text": "The first record.\nIts second line."},

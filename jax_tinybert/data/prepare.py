@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from jax_tinybert import fs
 from jax_tinybert.data import sources as src
 from jax_tinybert.data.prepared import (FORMAT, MANIFEST, RECORD_OPTIONS, PreparedError,
                                         read_manifest, shard_sha256)
@@ -448,6 +449,9 @@ def prepare(source_specs: Sequence[str], out: str, tokenizer, settings: Settings
     when parts of other workers are still missing."""
     if not 0 <= shard < num_shards:
         raise UserError(f"--shard {shard} --num_shards {num_shards}: need 0 <= shard < num_shards")
+    if fs.is_remote(out):
+        raise UserError(f"--out {out}: a prepared folder is written to a file system the "
+                        "workers share (local, NFS, a mounted bucket), not to a bucket URL")
     out = os.path.abspath(os.path.expanduser(out)).rstrip("/")
     sources = src.resolve(source_specs)
     hints = {}

@@ -26,6 +26,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence
 
+from jax_tinybert import fs
 from jax_tinybert.errors import PathError, UserError
 
 TEXT_SUFFIXES = (".txt",)
@@ -42,10 +43,11 @@ class SourceError(UserError, ValueError):
 
 @dataclass
 class LocalFile:
-    path: str          # as found (absolute or relative to the working folder)
+    path: str          # as found (absolute or relative to the working folder), or a gs:// URL
     name: str          # relative to its source root: the part of the identity that is a name
     kind: str          # "text" | "jsonl"
     size: int = 0
+    digest: str = ""   # a bucket object's own content hash ("crc32c:..."), so none is computed
 
 
 @dataclass
@@ -100,6 +102,9 @@ def resolve(specs: Sequence[str]) -> List[Source]:
         if spec.startswith("hf:"):
             out.append(Source(spec, hf=parse_hf(spec)))
             continue
+        if fs.is_remote(spec):
+            out.append(Source(spec, _remote_files(spec)))
+            continue
         p = os.path.expanduser(spec)
         if os.path.isfile(p):
             kind = _kind(os.path.basename(p)) or "text"   # a named file is text unless .jsonl
@@ -125,9 +130,36 @@ def resolve(specs: Sequence[str]) -> List[Source]:
     return out
 
 
+def _remote_files(spec: str) -> List[LocalFile]:
+    """The corpus files of a bucket URL: a prefix (read recursively) or a glob (* ? [ ])."""
+    fsys, p = fs.url_fs(spec)
+    scheme = spec.split("://", 1)[0]
+    try:
+        found = fsys.glob(p, detail=True) if any(c in p for c in "*?[") else \
+            fsys.find(p, detail=True)
+    except (OSError, ValueError) as e:
+        raise PathError(f"--source {spec}: cannot list it ({type(e).__name__}: {e})") from None
+    root = p.split("*")[0].split("?")[0].split("[")[0].rstrip("/")
+    root = root if not found.get(root) or found[root].get("type") != "file" else \
+        root.rsplit("/", 1)[0]
+    files = []
+    for obj, info in sorted(found.items()):
+        if info.get("type", "file") != "file" or not _kind(obj):
+            continue
+        digest = info.get("crc32c") or info.get("md5Hash") or ""
+        kind = "crc32c" if info.get("crc32c") else "md5"
+        files.append(LocalFile(f"{scheme}://{obj}", obj[len(root):].lstrip("/") or obj,
+                               _kind(obj), int(info.get("size", 0)),
+                               f"{kind}:{digest}" if digest else ""))
+    if not files:
+        raise SourceError(f"--source {spec}: no .txt, .jsonl or wiki_NN objects (or .gz/.bz2 "
+                          "of them) there")
+    return files
+
+
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with fs.open_file(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -145,6 +177,11 @@ def identity(sources: Sequence[Source], hints: Optional[Dict[str, Dict]] = None)
             files = _hf_local_files(s.hf)
         entries = []
         for f in files:
+            if fs.is_remote(f.path):    # the bucket's own hash of the object, or its bytes'
+                entries.append({"name": f.name, "size": f.size, "digest": f.digest} if f.digest
+                               else {"name": f.name, "size": f.size,
+                                     "sha256": file_sha256(f.path)})
+                continue
             st = os.stat(f.path)
             hint = hints.get(os.path.realpath(f.path))
             if hint and hint["size"] == st.st_size and hint["mtime_ns"] == st.st_mtime_ns:
@@ -169,6 +206,8 @@ def stat_hints(sources: Sequence[Source], ident: Sequence[Dict]) -> Dict[str, Di
     for s, item in zip(sources, ident):
         files = s.files if s.hf is None else _hf_local_files(s.hf)
         for f, e in zip(files, item["files"]):
+            if fs.is_remote(f.path):
+                continue
             st = os.stat(f.path)
             out[os.path.realpath(f.path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
                                              "sha256": e["sha256"]}
@@ -302,7 +341,7 @@ def documents(sources: Sequence[Source], mode: str = "sentences", text_field: st
             yield from _hf_documents(s.hf, text_field, s.spec)
             continue
         for f in s.files:
-            with open(f.path, "rb") as raw, _decompressed(f, raw) as fh:
+            with fs.open_file(f.path, "rb") as raw, _decompressed(f, raw) as fh:
                 counter.raw = raw
                 if f.kind == "jsonl":
                     yield from _jsonl_documents(fh, f.path, text_field)
