@@ -388,3 +388,30 @@ def test_killed_prepare_reruns_cleanly(tmp_path, tok, teacher_dir, monkeypatch, 
     assert _rows(out)[1] == _reference_rows(docs, tok)
     assert sorted(os.listdir(tmp_path)) == ["c.txt", "out"]     # nothing stale left
     assert m["counts"]["duplicates_dropped"] == 3
+
+
+def test_finalize_assembles_finished_parts(tmp_path, tok, monkeypatch):
+    docs = _many_docs(60)
+    (tmp_path / "c.txt").write_text("\n\n".join("\n".join(d) for d in docs))
+    src, out = [str(tmp_path / "c.txt")], str(tmp_path / "out")
+    monkeypatch.setattr(prepare, "BLOCK", 8)
+    assert prepare.prepare(src, out, tok, _settings(), shard=0, num_shards=2) is None
+    with pytest.raises(prepared.PreparedError, match=r"parts \[1\] of 2 are not done"):
+        prepare.prepare(src, out, tok, _settings(), num_shards=2, finalize=True)
+    with monkeypatch.context() as m:     # as if another worker held the lock and died
+        m.setattr(prepare, "_take_lock", lambda parts_dir, force: force)
+        assert prepare.prepare(src, out, tok, _settings(), shard=1, num_shards=2) is None
+        done = prepare.prepare(src, out, tok, _settings(), num_shards=2, finalize=True)
+    assert _rows(out)[1] == _reference_rows(docs, tok) and done["workers"] == 2
+
+
+def test_the_benchmark_runs(tmp_path, tok):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import prepare_throughput as bench
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text("\n\n".join("\n".join(d) for d in _many_docs(60)))
+    res = bench.measure(str(tmp_path / "c"), tok, 1, SEQ)
+    rows = {r["measure"]: r for r in bench.record_rows(res)}
+    assert set(rows) == {"encode_batch", "encode_batch_fast", "prepare", "build_packed_corpus"}
+    assert rows["prepare"]["prepare_speedup"] == 1.0 and res["pieces"] > 0
