@@ -293,6 +293,9 @@ def test_bad_inputs_fail_in_one_line(tmp_path, tok, teacher_dir, capsys):
     assert fp_a in msg and fp_b in msg and str(other) in msg and "\n" not in msg
     with pytest.raises(prepared.PreparedError, match="seq_len=32, the run has data.seq_len=128"):
         prepared.load_prepared(str(out), tok, 128)
+    code, line = _cli(base + [str(out), "--source", str(tmp_path / "t.txt"), "--seq_len", "64"],
+                      capsys)
+    assert code == 2 and "holds a corpus prepared from other inputs (its settings differ" in line
     # A damaged shard, then a missing one: named.
     shard = out / "rows-00001.array_record"
     data = bytearray(shard.read_bytes())

@@ -144,7 +144,7 @@ class _Part:
         rec["hash"] = np.frombuffer(b"".join(hashes), "V16") if hashes else rec["hash"]
         self.docs.append(rec)
 
-    def finish(self, final: str, info: Dict) -> None:
+    def finish(self, final: str, info: Dict) -> Dict:
         self.f.close()
         docs = np.concatenate(self.docs) if self.docs else np.zeros(0, DOC_DTYPE)
         np.save(os.path.join(self.tmp, "docs.npy"), docs)
@@ -153,6 +153,7 @@ class _Part:
         with open(os.path.join(self.tmp, "part.json"), "w") as f:
             json.dump(info, f)
         os.replace(self.tmp, final)
+        return info
 
 
 def _tokenize_batch(backend, batch, dtype, sep_id: int):
@@ -227,8 +228,7 @@ def run_worker(sources, tokenizer, s: Settings, final: str, shard: int, num_shar
     info = {"shard": shard, "num_shards": num_shards, "documents_read": n_docs,
             "documents": n_mine, "dtype": ids_dtype(tokenizer).name,
             "seconds": round(prog.elapsed, 2)}
-    part.finish(final, info)
-    return info
+    return part.finish(final, info)
 
 
 # ----------------------------------------------------------------------------- assembling
@@ -426,15 +426,20 @@ def _clean_stale(prefix: str) -> None:
             shutil.rmtree(os.path.join(d, name), ignore_errors=True)
 
 
-def _existing(out: str, key: str) -> Optional[Dict]:
+def _existing(out: str, key: str, meta: Dict) -> Optional[Dict]:
     """A finished OUT with this key (reused), None when OUT is absent or empty; refuses an OUT
-    holding anything else."""
+    holding anything else, naming what differs."""
     if os.path.isfile(os.path.join(out, MANIFEST)):
         m = read_manifest(out)
         if m["key"] == key:
             return m
-        raise UserError(f"--out {out} holds a corpus prepared from other inputs (key "
-                        f"{m['key']}, this one {key}); choose another --out or delete {out}")
+        differ = [k for k, a, b in (
+            ("tokenizer", m["tokenizer"]["fingerprint"], meta["tokenizer"]["fingerprint"]),
+            ("source content", m["source_identity"], meta["source_identity"]),
+            ("settings", m["settings"], meta["settings"])) if a != b]
+        raise UserError(f"--out {out} holds a corpus prepared from other inputs (its "
+                        f"{', '.join(differ) or 'format'} differ; key {m['key']}, this one {key}); "
+                        f"choose another --out or delete {out}")
     if os.path.isdir(out) and os.listdir(out):
         raise UserError(f"--out {out} is a folder with files and no {MANIFEST}; choose an empty "
                         "or new folder")
@@ -460,18 +465,18 @@ def prepare(source_specs: Sequence[str], out: str, tokenizer, settings: Settings
     ident = src.identity(sources, hints)
     tok_fp = tokenizer_fingerprint(tokenizer)
     key = prepare_key(tok_fp, ident, settings)
-    done = _existing(out, key)
-    if done is not None:
-        print(f"{out}: already prepared (key {key}), reused", file=sys.stderr)
-        return done
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    parts_dir = os.path.join(f"{out}.parts", key)
     meta = {"key": key, "sources": list(source_specs), "source_identity": ident,
             "stat_hints": src.stat_hints(sources, ident), "settings": dataclasses.asdict(settings),
             "tokenizer": {"fingerprint": tok_fp, "name": str(tokenizer_name or getattr(
                 tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer.get_vocab()),
                 "cls_id": tokenizer.cls_token_id, "sep_id": tokenizer.sep_token_id,
                 "pad_id": tokenizer.pad_token_id}}
+    done = _existing(out, key, meta)
+    if done is not None:
+        print(f"{out}: already prepared (key {key}), reused", file=sys.stderr)
+        return done
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    parts_dir = os.path.join(f"{out}.parts", key)
     try:
         return _prepare_parts(sources, out, parts_dir, tokenizer, settings, shard, num_shards,
                               finalize, meta)
@@ -498,7 +503,8 @@ def _prepare_parts(sources, out, parts_dir, tokenizer, s, shard, num_shards, fin
             raise
         dt = time.perf_counter() - t0
         print(f"part {shard + 1}/{num_shards}: {info['documents']:,} of "
-              f"{info['documents_read']:,} documents tokenized in {dt:.1f}s", file=sys.stderr)
+              f"{info['documents_read']:,} documents, {info['tokens']:,} tokens in {dt:.1f}s "
+              f"({info['tokens'] / max(dt, 1e-9):,.0f} tokens/s)", file=sys.stderr)
     names = [f"part-{k:05d}-of-{num_shards:05d}" for k in range(num_shards)]
     missing = [k for k, n in enumerate(names)
                if not os.path.isfile(os.path.join(parts_dir, n, "part.json"))]
