@@ -255,6 +255,13 @@ def test_a_run_reads_the_prepared_rows(tmp_path, tok, shared_dir, teacher_dir):
     b, b_ref = next(d.train_batches), next(d_ref.train_batches)
     for k in b_ref:
         np.testing.assert_array_equal(b[k], b_ref[k])
+    from jax_tinybert import data
+
+    it = data.corpus_train_iterator(str(tmp_path / "prep"), tok, global_batch_size=8,
+                                    cache_dir=str(tmp_path / "unused"), seed=c.train.seed)
+    np.testing.assert_array_equal(next(it)["input_ids"], b_ref["input_ids"])
+    with pytest.raises(prepared.PreparedError, match="must be the only path"):
+        corpus.packed_corpus([str(tmp_path / "prep"), books[0]], tok, cache_dir=str(tmp_path))
 
 
 def _cli(argv, capsys):

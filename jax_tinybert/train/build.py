@@ -40,7 +40,7 @@ from jax_tinybert.teacher import training as teacher_training
 from jax_tinybert.teacher import fingerprint as teacher_fingerprint
 from jax_tinybert.teacher import stream as teacher_stream
 from jax_tinybert.config.check import DTYPES, ConfigValueError, owned_by_a_run, record_speed
-from jax_tinybert.data import batching, corpus, glue, prepared, synthetic, tokenize
+from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
 from jax_tinybert.model.hf import bert_params, load_pretrained, resolve_path
 from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, BertModel,
                                          init_classifier, random_params)
@@ -194,15 +194,9 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
             raise ConfigValueError("config.data.kind='corpus' needs config.data.corpus: text files "
                                    "or folders (e.g. data/corpus)")
         files = [p for p in str(dc.corpus).split(",") if p]
-        if any(prepared.is_prepared(p) for p in files):
-            # Tokenized and packed once by data.prepare: the rows are read, not re-made.
-            if len(files) > 1:
-                raise ConfigValueError(f"config.data.corpus={dc.corpus!r}: a prepared folder "
-                                       "(with manifest.json) must be the only path")
-            ds = prepared.load_prepared(files[0], tok, dc.seq_len, mode=dc.corpus_mode)
-        else:
-            ds = corpus.build_packed_corpus(files, tok, dc.seq_len, cache_dir=cache_dir,
-                                            mode=dc.corpus_mode)
+        # A folder of data.prepare is read as prepared; text is tokenized and packed here.
+        ds = corpus.packed_corpus(files, tok, dc.seq_len, cache_dir=cache_dir,
+                                  mode=dc.corpus_mode)
         ds = subset(ds, dc.train_subset, seed)
         batches = corpus.corpus_batcher(ds, gb, dc.seq_len, seed=seed)
         return Data(batches, None, None, None, 1, None, ds)
