@@ -181,6 +181,27 @@ def test_hf_dataset_over_local_files(tmp_path, tok, monkeypatch, streaming):
         prepare.prepare([spec], str(tmp_path / "bad"), tok, _settings(text_field="body"))
 
 
+def test_tfds_source(tmp_path, tok, monkeypatch):
+    """tensorflow-datasets is not installed here: a stand-in module with its load/as_numpy."""
+    import types
+
+    calls = []
+    fake = types.ModuleType("tensorflow_datasets")
+    fake.load = lambda name, split, data_dir=None, shuffle_files=True: calls.append(
+        (name, split, data_dir, shuffle_files)) or [
+        {"text": r["text"].encode(), "id": r["id"]} for r in RECORDS]
+    fake.as_numpy = lambda ds: ds
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", fake)
+    spec = "tfds:wikipedia/20230601.en?split=train[:5]"
+    m = prepare.prepare([spec], str(tmp_path / "out"), tok, _settings())
+    assert calls == [("wikipedia/20230601.en", "train[:5]", None, False)]
+    assert _rows(tmp_path / "out")[1] == _reference_rows(RECORD_DOCS, tok)
+    assert m["source_identity"][0]["tfds"] == {"name": "wikipedia/20230601.en",
+                                               "split": "train[:5]"}
+    with pytest.raises(prepare.src.SourceError, match=r"row 0: no field 'body'"):
+        prepare.prepare([spec], str(tmp_path / "bad"), tok, _settings(text_field="body"))
+
+
 def _many_docs(n=60):
     """n documents of 1-3 lines; some repeat, within a block of the split and across workers."""
     docs = [[f"Document {i} says {'something ' * (i % 5)}here."] + [f"More of {i}."] * (i % 3)

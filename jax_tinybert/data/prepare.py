@@ -539,7 +539,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jax_tinybert.data.prepare",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--source", action="append", required=True,
-                   help="a file, a folder (read recursively) or hf:NAME_OR_PATH?options; repeat")
+                   help="a file, a folder (read recursively), gs://prefix or glob, "
+                        "hf:NAME_OR_PATH?options or tfds:NAME?options; repeat")
     p.add_argument("--out", required=True, help="the prepared folder (data.corpus of a run)")
     p.add_argument("--tokenizer", required=True, help="tokenizer folder or name")
     p.add_argument("--seq_len", type=int, default=128)

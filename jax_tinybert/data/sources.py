@@ -7,8 +7,11 @@ A document is a list of non-empty, stripped lines (its sentences), in reading or
         one document per line. WikiExtractor's `<doc ...>` / `</doc>` lines end a document and
         are not text.
     .jsonl (and .gz/.bz2): one document per record, its `text_field` (lines split on "\\n").
+    gs://bucket/prefix or a glob: the same files in a bucket (through jax_tinybert.fs).
     hf:NAME_OR_PATH[?name=..&split=..&data_files=a,b&data_dir=..&revision=..&streaming=1]:
         `datasets.load_dataset(...)`, one document per row, its `text_field`.
+    tfds:NAME[/CONFIG][:VERSION][?split=..&data_dir=..]: `tfds.load(...)`, one document per
+        example, its `text_field` (bytes decoded as UTF-8).
 
 A folder is read recursively in sorted order of its relative paths; sources in the order given.
 `identity` describes the content (sha256 of each file's bytes, relative names), never absolute
@@ -52,10 +55,12 @@ class LocalFile:
 
 @dataclass
 class Source:
-    """One --source: local files (a file or a folder) or a Hugging Face dataset."""
+    """One --source: local or bucket files (a file, a folder, a glob), a Hugging Face dataset
+    or a TFDS dataset."""
     spec: str
     files: List[LocalFile] = field(default_factory=list)
     hf: Optional[Dict] = None    # load_dataset arguments for an hf: source
+    tfds: Optional[Dict] = None  # tfds.load arguments for a tfds: source
 
     @property
     def total_bytes(self) -> int:
@@ -94,6 +99,19 @@ def parse_hf(spec: str) -> Dict:
     return args
 
 
+def parse_tfds(spec: str) -> Dict:
+    """'tfds:NAME[/CONFIG][:VERSION]?split=..&data_dir=..' -> tfds.load arguments."""
+    name, _, query = spec[len("tfds:"):].partition("?")
+    if not name:
+        raise SourceError(f"--source {spec!r}: name a dataset, e.g. tfds:wikipedia/20230601.en")
+    args: Dict = {"name": name, "split": "train"}
+    for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        if k not in ("split", "data_dir"):
+            raise SourceError(f"--source {spec!r}: unknown option {k!r} (split, data_dir)")
+        args[k] = v
+    return args
+
+
 def resolve(specs: Sequence[str]) -> List[Source]:
     """--source values -> Sources with their files listed (sorted, recursive). Raises PathError
     for a path that does not exist and SourceError for a folder without readable files."""
@@ -101,6 +119,9 @@ def resolve(specs: Sequence[str]) -> List[Source]:
     for spec in specs:
         if spec.startswith("hf:"):
             out.append(Source(spec, hf=parse_hf(spec)))
+            continue
+        if spec.startswith("tfds:"):
+            out.append(Source(spec, tfds=parse_tfds(spec)))
             continue
         if fs.is_remote(spec):
             out.append(Source(spec, _remote_files(spec)))
@@ -190,6 +211,8 @@ def identity(sources: Sequence[Source], hints: Optional[Dict[str, Dict]] = None)
                 digest = file_sha256(f.path)
             entries.append({"name": f.name, "size": st.st_size, "sha256": digest})
         item = {"files": entries}
+        if s.tfds is not None:   # name/config:version and split name a prepared TFDS dataset
+            item["tfds"] = {k: v for k, v in s.tfds.items() if k != "data_dir"}
         if s.hf is not None:   # the hub's name/config/split/revision name a hub dataset
             a = s.hf
             item["hf"] = {k: a[k] for k in ("name", "split", "revision") if k in a}
@@ -329,6 +352,29 @@ def _hf_documents(args: Dict, text_field: str, spec: str) -> Iterator[List[str]]
                 yield lines
 
 
+def _tfds_documents(args: Dict, text_field: str, spec: str) -> Iterator[List[str]]:
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise SourceError(f"--source {spec}: needs tensorflow-datasets (and tensorflow): pip "
+                          "install tensorflow-datasets") from None
+    try:
+        ds = tfds.load(args["name"], split=args["split"], data_dir=args.get("data_dir"),
+                       shuffle_files=False)
+    except Exception as e:   # TFDS raises its own types for a missing or unbuilt dataset
+        raise SourceError(f"--source {spec}: {type(e).__name__}: {e}") from None
+    for row, ex in enumerate(tfds.as_numpy(ds)):
+        if text_field not in ex:
+            raise SourceError(f"--source {spec}: row {row}: no field {text_field!r} (it has: "
+                              f"{', '.join(ex)}); pass --text_field NAME")
+        text = ex[text_field]
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        lines = _lines(text, f"{spec} row {row}")
+        if lines:
+            yield lines
+
+
 def documents(sources: Sequence[Source], mode: str = "sentences", text_field: str = "text",
               counter: Optional[_Counter] = None) -> Iterator[List[str]]:
     """Every document of the sources in order: lists of non-empty stripped lines (module
@@ -339,6 +385,9 @@ def documents(sources: Sequence[Source], mode: str = "sentences", text_field: st
     for s in sources:
         if s.hf is not None:
             yield from _hf_documents(s.hf, text_field, s.spec)
+            continue
+        if s.tfds is not None:
+            yield from _tfds_documents(s.tfds, text_field, s.spec)
             continue
         for f in s.files:
             with fs.open_file(f.path, "rb") as raw, _decompressed(f, raw) as fh:
