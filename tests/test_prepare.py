@@ -324,6 +324,8 @@ def test_bad_inputs_fail_in_one_line(tmp_path, tok, teacher_dir, capsys):
     code, line = _cli(base + [str(out), "--source", str(tmp_path / "t.txt"), "--seq_len", "64"],
                       capsys)
     assert code == 2 and "holds a corpus prepared from other inputs (its settings differ" in line
+    code = tool_exit(lambda: prepared.main([str(out)]))
+    assert code == 0 and f"{out}: ok, 6 rows of <= 32 tokens" in capsys.readouterr().out
     # A damaged shard, then a missing one: named.
     shard = out / "rows-00001.array_record"
     data = bytearray(shard.read_bytes())
@@ -331,6 +333,9 @@ def test_bad_inputs_fail_in_one_line(tmp_path, tok, teacher_dir, capsys):
     shard.write_bytes(bytes(data))
     with pytest.raises(prepared.PreparedError, match="shard rows-00001.array_record is damaged"):
         prepared.load_prepared(str(out), tok)
+    code = tool_exit(lambda: prepared.main([str(out)]))
+    line = capsys.readouterr().err.strip()
+    assert code == 2 and line.startswith("error: ") and "rows-00001.array_record is damaged" in line
     shard.unlink()
     with pytest.raises(prepared.PreparedError, match="shard rows-00001.array_record is missing"):
         prepared.load_prepared(str(out), tok)

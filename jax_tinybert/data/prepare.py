@@ -203,8 +203,9 @@ def run_worker(sources, tokenizer, s: Settings, final: str, shard: int, num_shar
     seen = set()
     batch, chars, n_docs, n_mine = [], 0, 0, 0
     unit = "B" if total_bytes else "doc"
-    with Progress(f"prepare {shard + 1}/{num_shards}", total=total_bytes or None,
-                  unit=unit) as prog:
+    # Every worker reports (workers are not JAX processes: JTB_PROCESS_ID does not apply).
+    with Progress(f"prepare {shard + 1}/{num_shards}", total=total_bytes or None, unit=unit,
+                  enabled=os.environ.get("JTB_PROGRESS", "1") != "0") as prog:
         try:
             for i, lines in enumerate(src.documents(sources, s.mode, s.text_field, counter)):
                 n_docs = i + 1

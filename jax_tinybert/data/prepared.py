@@ -5,6 +5,8 @@ record per packed sequence (`[CLS] ... [SEP]`, at most seq_len ids) as little-en
 (uint32 when the vocab exceeds 65,535 entries). Token types are all 0 and not stored. The
 manifest names the tokenizer (fingerprint), the sources (content), the packing settings and
 every shard's rows, bytes and sha256.
+
+    python -m jax_tinybert.data.prepared DIR    # checks every shard, prints what DIR holds
 """
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import hashlib
 import json
 import logging
 import os
-from typing import Dict, Optional
+import sys
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
-from jax_tinybert.errors import UserError
+from jax_tinybert.errors import UserError, tool_exit
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +139,27 @@ def load_prepared(path: str, tokenizer, seq_len: Optional[int] = None,
     ds = read_rows(path, m)
     log.info("read %d prepared rows (%d tokens) from %s", len(ds), int(ds.offsets[-1]), path)
     return ds
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m jax_tinybert.data.prepared DIR`: verify DIR's shards, print a summary line."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m jax_tinybert.data.prepared",
+                                description="Check a prepared corpus folder against its manifest.")
+    p.add_argument("dir")
+    a = p.parse_args(argv)
+    if not is_prepared(a.dir):
+        raise PreparedError(f"{a.dir}: no {MANIFEST}; not a folder of python -m "
+                            "jax_tinybert.data.prepare")
+    m = verify(a.dir)
+    c, t = m["counts"], m["tokenizer"]
+    print(f"{a.dir}: ok, {m['rows']:,} rows of <= {m['settings']['seq_len']} tokens "
+          f"({m['tokens']:,} tokens, {m['dtype']}) in {len(m['shards'])} shards; "
+          f"{c['documents_kept']:,} documents ({c['duplicates_dropped']:,} duplicates dropped); "
+          f"tokenizer {t['name']} ({t['fingerprint'][:12]}); key {m['key']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(tool_exit(main))
