@@ -3,9 +3,9 @@
 per-run packing it replaces, on the same text in one process.
 
     .venv/bin/python benchmarks/prepare_throughput.py [--corpus ../shared/data/corpus]
-        [--tokenizer DIR] [--rounds 2] [--record]
+        [--tokenizer DIR] [--repeats 2] [--record]
 
-Three measures over the same files, alternating for --rounds rounds (the best of each):
+Three measures over the same files, alternating for --repeats repeats (the best of each):
   encode_batch         the Rust tokenizer's encode_batch over the corpus's lines, already in
                        memory, in batches of prepare's size: the practical limit of prepare
   encode_batch_fast    the same without character offsets (what prepare calls)
@@ -53,7 +53,7 @@ def encode_batch_seconds(tok, docs, batch_chars: int, fast: bool = False):
     return time.perf_counter() - t0, pieces
 
 
-def measure(corpus_dir: str, tok, rounds: int, seq_len: int):
+def measure(corpus_dir: str, tok, repeats: int, seq_len: int):
     from jax_tinybert.data import corpus, prepare, prepared, sources
 
     srcs = sources.resolve([corpus_dir])
@@ -65,7 +65,7 @@ def measure(corpus_dir: str, tok, rounds: int, seq_len: int):
     work = tempfile.mkdtemp(prefix="prepare_bench-")
     settings = prepare.Settings(seq_len=seq_len, dedup=False)
     try:
-        for r in range(rounds):
+        for r in range(repeats):
             dt, pieces = encode_batch_seconds(tok, docs, prepare.BATCH_CHARS)
             secs["encode_batch"].append(dt)
             secs["encode_batch_fast"].append(encode_batch_seconds(tok, docs, prepare.BATCH_CHARS,
@@ -79,7 +79,7 @@ def measure(corpus_dir: str, tok, rounds: int, seq_len: int):
                 work, f"cache{r}"))
             secs["build_packed_corpus"].append(time.perf_counter() - t0)
             for k, v in secs.items():
-                print(f"round {r + 1}: {k:20s} {v[-1]:6.2f} s", flush=True)
+                print(f"repeat {r + 1}: {k:20s} {v[-1]:6.2f} s", flush=True)
         t0 = time.perf_counter()
         prepare.prepare([corpus_dir], out, tok, settings)
         reuse_s = time.perf_counter() - t0
@@ -128,7 +128,7 @@ def main(argv=None):
     p.add_argument("--corpus", default=os.path.join(os.path.dirname(os.path.dirname(HERE)),
                                                     "shared", "data", "corpus"))
     p.add_argument("--tokenizer", default="", help="default: the packaged MiniLM teacher's")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--record", action="store_true", help="merge the run into benchmarks/results/")
     args = p.parse_args(argv)
@@ -141,7 +141,7 @@ def main(argv=None):
     tok = tokenize.load_data_tokenizer(args.tokenizer)
     cpu = cpu_name(cpuinfo())
     print(f"# {cpu}; {os.cpu_count()} cores; corpus {args.corpus}", flush=True)
-    res = measure(args.corpus, tok, args.rounds, args.seq_len)
+    res = measure(args.corpus, tok, args.repeats, args.seq_len)
     res["cpu"] = cpu
     res["load"] = os.getloadavg()[0]
     res["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
