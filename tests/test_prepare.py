@@ -451,3 +451,14 @@ def test_the_benchmark_runs(tmp_path, tok):
     rows = {r["measure"]: r for r in bench.record_rows(res)}
     assert set(rows) == {"encode_batch", "encode_batch_fast", "prepare", "build_packed_corpus"}
     assert rows["prepare"]["prepare_speedup"] == 1.0 and res["pieces"] > 0
+
+
+def test_parts_that_do_not_add_up_are_refused(tmp_path, tok, monkeypatch):
+    (tmp_path / "c.txt").write_text("\n\n".join("\n".join(d) for d in _many_docs(60)))
+    src, out = [str(tmp_path / "c.txt")], str(tmp_path / "out")
+    monkeypatch.setattr(prepare, "BLOCK", 8)
+    prepare.prepare(src, out, tok, _settings(), shard=0, num_shards=2)
+    monkeypatch.setattr(prepare, "BLOCK", 4)      # a worker that splits otherwise
+    with pytest.raises(prepared.PreparedError, match="do not add up to one corpus"):
+        prepare.prepare(src, out, tok, _settings(), shard=1, num_shards=2)
+    assert not os.path.exists(out)

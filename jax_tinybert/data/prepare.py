@@ -308,6 +308,16 @@ def _load_part(parts_dir: str, k: int, n: int):
     return info, docs, tokens
 
 
+def _check_parts(parts_dir: str, loaded) -> None:
+    """The parts cover every document once (their workers read the same text, split alike)."""
+    read = {i["documents_read"] for i, _, _ in loaded}
+    idx = np.sort(np.concatenate([d["index"] for _, d, _ in loaded]))
+    if len(read) != 1 or not np.array_equal(idx, np.arange(read.pop())):
+        raise PreparedError(f"the parts in {parts_dir} do not add up to one corpus (their "
+                            "workers read different text or split it differently); delete "
+                            "that folder and prepare again")
+
+
 def merge_plan(docs_per_part: Sequence[np.ndarray], dedup: bool):
     """Parts' DOC_DTYPE arrays -> (runs: int64 [r, 3] of (part, start, length) slices of the
     parts' streams in global order, counts). Duplicates keep their first document."""
@@ -340,6 +350,7 @@ def assemble(out: str, parts_dir: str, num_shards: int, tokenizer, s: Settings,
     manifest. `meta`: the key, sources and the rest the manifest records."""
     t0 = time.perf_counter()
     loaded = [_load_part(parts_dir, k, num_shards) for k in range(num_shards)]
+    _check_parts(parts_dir, loaded)
     runs, counts = merge_plan([d for _, d, _ in loaded], s.dedup)
     tmp = f"{out}.tmp-{_host_pid()}"
     shutil.rmtree(tmp, ignore_errors=True)
