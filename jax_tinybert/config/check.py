@@ -463,7 +463,8 @@ def check_paths(config) -> None:
         for p in files:
             if "://" not in p and not os.path.exists(os.path.expanduser(p)):
                 raise PathError(f"config.data.corpus: {p!r}: no such file or folder (relative to "
-                                f"{os.getcwd()}); pass text files or folders of .txt files")
+                                f"{os.getcwd()}); pass text files, folders of .txt files or a "
+                                "folder written by python -m jax_tinybert.data.prepare")
 
 
 # --------------------------------------------------------------------------- workdir ownership

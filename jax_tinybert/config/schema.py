@@ -114,7 +114,7 @@ def _data() -> ml_collections.ConfigDict:
                                  # -1 = auto: 8 on CPU, 2000 on GPU/TPU (benchmarks/compile_cost.py,
                                  # benchmarks/RESULTS.md#compile-cost-per-bucket); 0 = compiling is free (the most buckets that pay)
         train_subset=0, eval_subset=0,   # 0 = all; else N (seeded shuffle; only those tokenized)
-        corpus="",               # files/folders of plain text for kind=corpus
+        corpus="",               # kind=corpus: text files/folders, or a data.prepare folder
         corpus_mode="sentences", seq_len=128,
         synthetic_train=2000, synthetic_eval=400,
         cache_dir="",            # default: <workdir>/cache

@@ -81,9 +81,9 @@ def corpus_train_iterator(corpus, tokenizer, *, global_batch_size: int = 256, se
                           process_count: Optional[int] = None) -> BucketedBatcher:
     """General-distillation batches from text files (a folder of .txt, a file, or a list):
     packed [CLS] ... [SEP] sequences of seq_len, shuffled by (seed, epoch), per-process shards,
-    resumable. The packed ids live memmapped in cache_dir."""
-    ds = _corpus.build_packed_corpus(corpus, _tok(tokenizer), seq_len, cache_dir=cache_dir,
-                                     mode=mode)
+    resumable. The packed ids live memmapped in cache_dir. A folder written by
+    `python -m jax_tinybert.data.prepare` is read as prepared."""
+    ds = _corpus.packed_corpus(corpus, _tok(tokenizer), seq_len, cache_dir=cache_dir, mode=mode)
     return _corpus.corpus_batcher(ds, global_batch_size, seq_len, seed=seed,
                                   num_epochs=num_epochs, process_index=process_index,
                                   process_count=process_count)

@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Union
 import numpy as np
 
 from jax_tinybert import fs
+from jax_tinybert.data import prepared
 from jax_tinybert.data.batching import BucketedBatcher
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
 from jax_tinybert.progress import Progress
@@ -287,6 +288,20 @@ def build_packed_corpus(files: PathOrPaths, tokenizer, seq_len: int = 128, *,
     log.info("packed %d files into %d sequences of <= %d tokens (%d tokens)", len(files), len(ds),
              seq_len, int(ds.offsets[-1]))
     return ds
+
+
+def packed_corpus(paths: PathOrPaths, tokenizer, seq_len: int = 128, *, cache_dir: str,
+                  mode: str = "sentences") -> EncodedDataset:
+    """The packed rows of a corpus: a folder written by `python -m jax_tinybert.data.prepare`
+    (it holds manifest.json) read as prepared (`prepared.load_prepared`: its tokenizer and
+    seq_len checked), else `build_packed_corpus` of the text files and folders."""
+    listed = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if any(prepared.is_prepared(p) for p in listed):
+        if len(listed) > 1:
+            raise prepared.PreparedError(f"corpus {listed}: a prepared folder (with "
+                                         "manifest.json) must be the only path")
+        return prepared.load_prepared(os.fspath(listed[0]), tokenizer, seq_len, mode=mode)
+    return build_packed_corpus(paths, tokenizer, seq_len, cache_dir=cache_dir, mode=mode)
 
 
 def pregenerated_files(path: str, epoch: int) -> str:

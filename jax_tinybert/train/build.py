@@ -194,8 +194,9 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
             raise ConfigValueError("config.data.kind='corpus' needs config.data.corpus: text files "
                                    "or folders (e.g. data/corpus)")
         files = [p for p in str(dc.corpus).split(",") if p]
-        ds = corpus.build_packed_corpus(files, tok, dc.seq_len, cache_dir=cache_dir,
-                                        mode=dc.corpus_mode)
+        # A folder of data.prepare is read as prepared; text is tokenized and packed here.
+        ds = corpus.packed_corpus(files, tok, dc.seq_len, cache_dir=cache_dir,
+                                  mode=dc.corpus_mode)
         ds = subset(ds, dc.train_subset, seed)
         batches = corpus.corpus_batcher(ds, gb, dc.seq_len, seed=seed)
         return Data(batches, None, None, None, 1, None, ds)

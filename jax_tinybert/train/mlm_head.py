@@ -218,9 +218,9 @@ def _fit(config, workdir: str, done: str) -> dict:
     bert = jax.tree_util.tree_map(np.asarray, bert_params(params))
     seq_len = int(config.data.seq_len)
     files = [f.strip() for f in str(config.data.corpus).split(",") if f.strip()]
-    ds = corpus_lib.build_packed_corpus(files if len(files) > 1 else files[0], tok, seq_len,
-                                        cache_dir=config.data.cache_dir
-                                        or os.path.join(workdir, "cache"))
+    ds = corpus_lib.packed_corpus(files if len(files) > 1 else files[0], tok, seq_len,
+                                  cache_dir=config.data.cache_dir
+                                  or os.path.join(workdir, "cache"))
     train_idx, eval_idx = _split(len(ds), int(m.eval_sequences))
     is_train = np.zeros(len(ds), bool)
     is_train[train_idx] = True

@@ -1,0 +1,165 @@
+"""Reading a corpus folder written by `python -m jax_tinybert.data.prepare`.
+
+A prepared folder holds `manifest.json` and ArrayRecord shards `rows-NNNNN.array_record`: one
+record per packed sequence (`[CLS] ... [SEP]`, at most seq_len ids) as little-endian uint16 ids
+(uint32 when the vocab exceeds 65,535 entries). Token types are all 0 and not stored. The
+manifest names the tokenizer (fingerprint), the sources (content), the packing settings and
+every shard's rows, bytes and sha256.
+
+    python -m jax_tinybert.data.prepared DIR    # checks every shard, prints what DIR holds
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
+from jax_tinybert.errors import UserError, tool_exit
+
+log = logging.getLogger(__name__)
+
+FORMAT = "jax_tinybert.prepared/1"
+MANIFEST = "manifest.json"
+# One record per chunk (group_size:1): Grain reads any record without its neighbours; a
+# 256-byte record gains nothing from compression.
+RECORD_OPTIONS = "group_size:1,uncompressed"
+
+
+class PreparedError(UserError, ValueError):
+    """A prepared corpus that cannot be used: damaged, missing shards, another tokenizer."""
+
+
+def is_prepared(path: str) -> bool:
+    """Whether `path` is a folder holding a prepared corpus's manifest.json."""
+    return os.path.isfile(os.path.join(os.path.expanduser(path), MANIFEST))
+
+
+def read_manifest(path: str) -> Dict:
+    """The manifest of prepared folder `path` (PreparedError when unreadable / another format)."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PreparedError(f"{mpath}: unreadable manifest ({e}); prepare the corpus again")
+    if m.get("format") != FORMAT:
+        raise PreparedError(f"{mpath}: format {m.get('format')!r}, this version reads {FORMAT!r}; "
+                            "prepare the corpus again")
+    return m
+
+
+def shard_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: str, manifest: Optional[Dict] = None) -> Dict:
+    """Checks that every shard of the manifest exists with its size and sha256; returns the
+    manifest. Raises PreparedError naming the first missing or damaged shard."""
+    m = manifest or read_manifest(path)
+    for s in m["shards"]:
+        p = os.path.join(path, s["file"])
+        if not os.path.isfile(p):
+            raise PreparedError(f"{path}: shard {s['file']} is missing; prepare the corpus again "
+                                "(or restore the file)")
+        size = os.path.getsize(p)
+        if size != s["bytes"] or shard_sha256(p) != s["sha256"]:
+            raise PreparedError(f"{path}: shard {s['file']} is damaged ({size} bytes, sha256 does "
+                                f"not match the manifest's {s['sha256'][:12]}...); prepare the "
+                                "corpus again (or restore the file)")
+    return m
+
+
+def read_rows(path: str, manifest: Optional[Dict] = None, check: bool = True) -> EncodedDataset:
+    """All rows of prepared folder `path` in order -> EncodedDataset (input_ids int32 [tokens],
+    token_type_ids int8 zeros [tokens], offsets int64 [rows + 1]), in memory; the same arrays
+    `corpus.build_packed_corpus` gives for the same text."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    m = verify(path, manifest) if check else (manifest or read_manifest(path))
+    dtype = np.dtype(m["dtype"]).newbyteorder("<")
+    ids = np.empty(int(m["tokens"]), np.int32)
+    lengths = np.empty(int(m["rows"]), np.int64)
+    t = r = 0
+    for s in m["shards"]:
+        p = os.path.join(path, s["file"])
+        reader = ArrayRecordReader(p)
+        try:
+            if reader.num_records() != s["rows"]:
+                raise PreparedError(f"{path}: shard {s['file']} holds {reader.num_records()} rows, "
+                                    f"the manifest {s['rows']}; prepare the corpus again")
+            recs = reader.read_all()
+        finally:
+            reader.close()
+        flat = np.frombuffer(b"".join(recs), dtype)
+        ids[t:t + len(flat)] = flat
+        lengths[r:r + len(recs)] = [len(x) // dtype.itemsize for x in recs]
+        t, r = t + len(flat), r + len(recs)
+    if t != len(ids) or r != len(lengths):
+        raise PreparedError(f"{path}: {t} tokens in {r} rows, the manifest says {len(ids)} in "
+                            f"{len(lengths)}; prepare the corpus again")
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    pad = m["tokenizer"].get("pad_id")
+    return EncodedDataset(ids, np.zeros(len(ids), np.int8), offsets, None, int(pad or 0))
+
+
+def load_prepared(path: str, tokenizer, seq_len: Optional[int] = None,
+                  mode: Optional[str] = None) -> EncodedDataset:
+    """A run's view of prepared folder `path`: refuses a manifest made with another tokenizer
+    (naming both) or another seq_len, then `read_rows` (shards checked against their sha256).
+    A `mode` other than the folder's is only logged: the rows were packed at prepare time."""
+    path = os.path.expanduser(path)
+    m = read_manifest(path)
+    want = tokenizer_fingerprint(tokenizer)
+    got = m["tokenizer"]["fingerprint"]
+    if got != want:
+        mine = getattr(tokenizer, "name_or_path", "") or "the run's tokenizer"
+        raise PreparedError(
+            f"{path} was prepared with tokenizer {m['tokenizer'].get('name')!r} (fingerprint "
+            f"{got[:12]}), the run uses {mine!r} (fingerprint {want[:12]}); prepare the corpus "
+            "with this run's tokenizer (--tokenizer) or train with the one it was prepared with")
+    have = int(m["settings"]["seq_len"])
+    if seq_len is not None and int(seq_len) != have:
+        raise PreparedError(f"{path} holds rows of seq_len={have}, the run has "
+                            f"data.seq_len={seq_len}; set --config.data.seq_len={have} or prepare "
+                            f"again with --seq_len {seq_len}")
+    if mode and mode != m["settings"]["mode"]:
+        log.warning("%s was packed in mode %r; data.corpus_mode=%r does not apply to it", path,
+                    m["settings"]["mode"], mode)
+    ds = read_rows(path, m)
+    log.info("read %d prepared rows (%d tokens) from %s", len(ds), int(ds.offsets[-1]), path)
+    return ds
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m jax_tinybert.data.prepared DIR`: verify DIR's shards, print a summary line."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m jax_tinybert.data.prepared",
+                                description="Check a prepared corpus folder against its manifest.")
+    p.add_argument("dir")
+    a = p.parse_args(argv)
+    if not is_prepared(a.dir):
+        raise PreparedError(f"{a.dir}: no {MANIFEST}; not a folder of python -m "
+                            "jax_tinybert.data.prepare")
+    m = verify(a.dir)
+    c, t = m["counts"], m["tokenizer"]
+    print(f"{a.dir}: ok, {m['rows']:,} rows of <= {m['settings']['seq_len']} tokens "
+          f"({m['tokens']:,} tokens, {m['dtype']}) in {len(m['shards'])} shards; "
+          f"{c['documents_kept']:,} documents ({c['duplicates_dropped']:,} duplicates dropped); "
+          f"tokenizer {t['name']} ({t['fingerprint'][:12]}); key {m['key']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(tool_exit(main))
