@@ -100,6 +100,9 @@ def _losses(wd):
     return m
 
 
+# The two heavy runs belong to the multi-host tier (make test-multihost): make test keeps the
+# cheap start-up check below.
+@pytest.mark.multihost
 @pytest.mark.timeout(600)
 def test_two_processes_equal_one_process(straight_1p, straight_2p):
     one, two = _losses(straight_1p), _losses(straight_2p)
@@ -110,6 +113,7 @@ def test_two_processes_equal_one_process(straight_1p, straight_2p):
     assert d <= 1e-5, d
 
 
+@pytest.mark.multihost
 @pytest.mark.timeout(600)
 def test_killed_process_fails_the_other_then_resume(setup, straight_2p, tmp_path):
     teacher, cache = setup
