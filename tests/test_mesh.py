@@ -43,6 +43,14 @@ def test_several_slices_put_the_data_axis_across_them(monkeypatch):
 
     devs = [_Dev(i, i // 2, slice_index=i // 4) for i in range(8)]
     arr = {}
+    calls = []
+    real = mesh_utils.create_hybrid_device_mesh
+
+    def spy(*a, **k):
+        calls.append((a[0], a[1]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(mesh_utils, "create_hybrid_device_mesh", spy)
 
     def fake_mesh(arr_, names, axis_types=None):
         arr["devices"] = arr_
@@ -55,7 +63,8 @@ def test_several_slices_put_the_data_axis_across_them(monkeypatch):
     assert (slices[:2] == 0).all() and (slices[2:] == 1).all(), slices
     with pytest.raises(shd.MeshError, match="the 2 slices need mesh.data to be a multiple of 2"):
         shd.make_mesh({"data": 1, "fsdp": 8, "model": 1}, devices=devs)
-    assert mesh_utils.create_hybrid_device_mesh  # the ecosystem's own call is what ran
+    # the ecosystem's own call built it: per-slice (ICI) shape, the slices along data (DCN)
+    assert calls[0] == ((2, 2, 1), (2, 1, 1)), calls
 
 
 def test_a_topology_the_layout_cannot_take_is_an_error_not_a_guess(monkeypatch):

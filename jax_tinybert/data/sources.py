@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bz2
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence
 
 from jax_tinybert import fs
+from jax_tinybert.data import tokenize
 from jax_tinybert.errors import PathError, UserError
 
 TEXT_SUFFIXES = (".txt",)
@@ -178,14 +178,6 @@ def _remote_files(spec: str) -> List[LocalFile]:
     return files
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with fs.open_file(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def identity(sources: Sequence[Source], hints: Optional[Dict[str, Dict]] = None) -> List[Dict]:
     """Content identity of the sources: per file its relative name, size and sha256. `hints`
     (a previous manifest's `stat_hints`: real path -> size, mtime_ns, sha256) skip hashing a
@@ -201,14 +193,14 @@ def identity(sources: Sequence[Source], hints: Optional[Dict[str, Dict]] = None)
             if fs.is_remote(f.path):    # the bucket's own hash of the object, or its bytes'
                 entries.append({"name": f.name, "size": f.size, "digest": f.digest} if f.digest
                                else {"name": f.name, "size": f.size,
-                                     "sha256": file_sha256(f.path)})
+                                     "sha256": tokenize.file_fingerprint(f.path)})
                 continue
             st = os.stat(f.path)
             hint = hints.get(os.path.realpath(f.path))
             if hint and hint["size"] == st.st_size and hint["mtime_ns"] == st.st_mtime_ns:
                 digest = hint["sha256"]
             else:
-                digest = file_sha256(f.path)
+                digest = tokenize.file_fingerprint(f.path)
             entries.append({"name": f.name, "size": st.st_size, "sha256": digest})
         item = {"files": entries}
         if s.tfds is not None:   # name/config:version and split name a prepared TFDS dataset
@@ -317,12 +309,17 @@ def _jsonl_documents(fh, path: str, text_field: str) -> Iterator[List[str]]:
         except ValueError as e:
             raise SourceError(f"{path}:{lineno}: not a JSON record ({e})") from None
         if not isinstance(rec, dict) or text_field not in rec:
-            fields = ", ".join(rec) if isinstance(rec, dict) else type(rec).__name__
-            raise SourceError(f"{path}:{lineno}: no field {text_field!r} in the record (it has: "
-                              f"{fields}); pass --text_field NAME")
+            raise _no_field(f"{path}:{lineno}", text_field,
+                            list(rec) if isinstance(rec, dict) else [type(rec).__name__])
         lines = _lines(rec[text_field], f"{path}:{lineno}")
         if lines:
             yield lines
+
+
+def _no_field(where: str, text_field: str, have) -> SourceError:
+    """The one-line error for a record or dataset without the text field."""
+    return SourceError(f"{where}: no field {text_field!r} (it has: {', '.join(map(str, have))}); "
+                       "pass --text_field NAME")
 
 
 def _hf_documents(args: Dict, text_field: str, spec: str) -> Iterator[List[str]]:
@@ -338,13 +335,11 @@ def _hf_documents(args: Dict, text_field: str, spec: str) -> Iterator[List[str]]
         raise SourceError(f"--source {spec}: {type(e).__name__}: {e}") from None
     names = ds.column_names
     if names is not None and text_field not in names:
-        raise SourceError(f"--source {spec}: no column {text_field!r} (it has: "
-                          f"{', '.join(names)}); pass --text_field NAME")
+        raise _no_field(f"--source {spec}", text_field, names)
     row = 0
     for batch in ds.iter(batch_size=1024):
         if text_field not in batch:
-            raise SourceError(f"--source {spec}: row {row}: no field {text_field!r} (it has: "
-                              f"{', '.join(batch)}); pass --text_field NAME")
+            raise _no_field(f"--source {spec}: row {row}", text_field, list(batch))
         for text in batch[text_field]:
             lines = _lines(text or "", f"{spec} row {row}")
             row += 1
