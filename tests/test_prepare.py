@@ -271,14 +271,19 @@ def test_a_run_reads_the_prepared_rows(tmp_path, tok, shared_dir, teacher_dir):
     np.testing.assert_array_equal(ds.input_ids, ref.input_ids)
     assert ds.input_ids.dtype == np.int32 and not ds.token_type_ids.any()
     assert dataset_fingerprint(ds) == dataset_fingerprint(ref)
+    # Raw text is prepared into the run's cache first (duplicates dropped, as prepare's default).
     c.data.corpus = ",".join(books)
-    d_ref = build.build_data(c, str(tmp_path / "w2"), teacher_dir)
-    b, b_ref = next(d.train_batches), next(d_ref.train_batches)
+    d_raw = build.build_data(c, str(tmp_path / "w2"), teacher_dir)
+    prepare.prepare(books, str(tmp_path / "dedup"), tok, prepare.Settings(seq_len=128))
+    c.data.corpus = str(tmp_path / "dedup")
+    d_ref = build.build_data(c, str(tmp_path / "w3"), teacher_dir)
+    assert os.listdir(tmp_path / "w2" / "cache")[0].startswith("prepared-")
+    b, b_ref = next(d_raw.train_batches), next(d_ref.train_batches)
     for k in b_ref:
         np.testing.assert_array_equal(b[k], b_ref[k])
     from jax_tinybert import data
 
-    it = data.corpus_train_iterator(str(tmp_path / "prep"), tok, global_batch_size=8,
+    it = data.corpus_train_iterator(str(tmp_path / "dedup"), tok, global_batch_size=8,
                                     cache_dir=str(tmp_path / "unused"), seed=c.train.seed)
     np.testing.assert_array_equal(next(it)["input_ids"], b_ref["input_ids"])
     with pytest.raises(prepared.PreparedError, match="must be the only path"):

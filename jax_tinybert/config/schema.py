@@ -116,6 +116,10 @@ def _data() -> ml_collections.ConfigDict:
         train_subset=0, eval_subset=0,   # 0 = all; else N (seeded shuffle; only those tokenized)
         corpus="",               # kind=corpus: text files/folders, or a data.prepare folder
         corpus_mode="sentences", seq_len=128,
+        corpus_memory_tokens=1 << 25,  # a corpus of at most this many tokens is held in memory
+                                 # (the teacher's per-token cache can then be planned); larger
+                                 # ones are read in place from their ArrayRecord shards
+        read_threads=2, prefetch=8,  # kind=corpus: Grain threads reading batches, batches ahead
         synthetic_train=2000, synthetic_eval=400,
         cache_dir="",            # default: <workdir>/cache
         skip_bad_rows=False,

@@ -19,10 +19,11 @@ from jax_tinybert.data.batching import (DEFAULT_BUCKETS, BucketedBatcher, assign
 from jax_tinybert.data.glue import (TASKS, DataError, Example, TaskSpec, get_task, load_examples,
                                     tsv_path)
 from jax_tinybert.data import corpus as _corpus
+from jax_tinybert.data.reader import CorpusBatcher
 from jax_tinybert.data.tokenize import EncodedDataset, load_glue_encoded, load_tokenizer
 
 __all__ = [
-    "DEFAULT_BUCKETS", "BucketedBatcher", "DataError", "EncodedDataset", "Example", "TASKS",
+    "DEFAULT_BUCKETS", "BucketedBatcher", "CorpusBatcher", "DataError", "EncodedDataset", "Example", "TASKS",
     "TaskSpec", "assign_buckets", "corpus_train_iterator", "get_task", "glue_eval_iterators",
     "glue_train_iterator", "load_examples", "load_glue_encoded", "load_tokenizer",
     "padding_waste", "pregenerated_train_iterator", "tsv_path", "buckets_for",
@@ -78,29 +79,29 @@ def glue_eval_iterators(task, glue_dir: str, tokenizer, *, global_batch_size: in
 def corpus_train_iterator(corpus, tokenizer, *, global_batch_size: int = 256, seq_len: int = 128,
                           cache_dir: str, mode: str = "sentences", seed: int = 0,
                           num_epochs: Optional[int] = None, process_index: Optional[int] = None,
-                          process_count: Optional[int] = None) -> BucketedBatcher:
-    """General-distillation batches from text files (a folder of .txt, a file, or a list):
-    packed [CLS] ... [SEP] sequences of seq_len, shuffled by (seed, epoch), per-process shards,
-    resumable. The packed ids live memmapped in cache_dir. A folder written by
-    `python -m jax_tinybert.data.prepare` is read as prepared."""
-    ds = _corpus.packed_corpus(corpus, _tok(tokenizer), seq_len, cache_dir=cache_dir, mode=mode)
-    return _corpus.corpus_batcher(ds, global_batch_size, seq_len, seed=seed,
-                                  num_epochs=num_epochs, process_index=process_index,
-                                  process_count=process_count)
+                          process_count: Optional[int] = None,
+                          memory_tokens: int = 1 << 25) -> CorpusBatcher:
+    """General-distillation batches of a corpus, as a run reads them (`reader.CorpusBatcher`):
+    a folder written by `python -m jax_tinybert.data.prepare` (local or gs://), or text files
+    and folders, prepared into cache_dir first. Shuffled by (seed, epoch) through Grain, each
+    process its rows of every global batch, resumable on any process count."""
+    rows = _corpus.corpus_rows(corpus, _tok(tokenizer), seq_len, cache_dir=cache_dir, mode=mode,
+                               memory_tokens=memory_tokens)
+    return CorpusBatcher(rows, global_batch_size, seq_len, seed=seed, num_epochs=num_epochs,
+                         process_index=process_index, process_count=process_count)
 
 
 def pregenerated_train_iterator(path: str, tokenizer, *, epoch: int = 0,
                                 global_batch_size: int = 256, seq_len: int = 128,
-                                buckets: Sequence[int] = DEFAULT_BUCKETS,
                                 cache_dir: Optional[str] = None, seed: int = 0,
                                 process_index: Optional[int] = None,
-                                process_count: Optional[int] = None) -> BucketedBatcher:
-    """One epoch over the official TinyBERT `epoch_{epoch % n}.json`. Create one per training
-    epoch (the data differ per epoch); the shuffle uses (seed, epoch)."""
+                                process_count: Optional[int] = None) -> CorpusBatcher:
+    """One epoch over the official TinyBERT `epoch_{epoch % n}.json`, through the corpus reader
+    (rows padded to seq_len, as the official loader does). Create one per training epoch (the
+    data differ per epoch); the shuffle uses (seed, epoch)."""
     ds = _corpus.read_pregenerated(path, _tok(tokenizer), epoch=epoch, max_seq_len=seq_len,
                                    cache_dir=cache_dir)
-    it = BucketedBatcher(ds, global_batch_size, buckets_for(seq_len, buckets), train=True,
-                         seed=seed, num_epochs=epoch + 1, process_index=process_index,
-                         process_count=process_count)
+    it = CorpusBatcher(ds, global_batch_size, seq_len, seed=seed, num_epochs=epoch + 1,
+                       process_index=process_index, process_count=process_count)
     it.load_state_dict({"epoch": epoch, "step": 0})
     return it

@@ -8,8 +8,9 @@ back exactly: no token is lost or duplicated. Only the very last sequence may be
 
 Large corpora: files are read line by line and packed sequences are appended to flat binary
 files on disk, opened later as numpy memmaps, so neither the text nor the packed ids need to fit
-in RAM. Batching (shuffle, per-process shards, resume) is `batching.BucketedBatcher` over the
-packed dataset.
+in RAM. A run reads its corpus through `corpus_rows` and `reader.CorpusBatcher` (Grain): text is
+prepared (`data.prepare`) into the run's cache first; `build_packed_corpus` is the sequence-by-
+sequence packer kept as the reference the prepared rows are checked against.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import numpy as np
 
 from jax_tinybert import fs
 from jax_tinybert.data import prepared
-from jax_tinybert.data.batching import BucketedBatcher
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
 from jax_tinybert.progress import Progress
 
@@ -292,16 +292,76 @@ def build_packed_corpus(files: PathOrPaths, tokenizer, seq_len: int = 128, *,
 
 def packed_corpus(paths: PathOrPaths, tokenizer, seq_len: int = 128, *, cache_dir: str,
                   mode: str = "sentences") -> EncodedDataset:
-    """The packed rows of a corpus: a folder written by `python -m jax_tinybert.data.prepare`
-    (it holds manifest.json) read as prepared (`prepared.load_prepared`: its tokenizer and
-    seq_len checked), else `build_packed_corpus` of the text files and folders."""
-    listed = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    """The packed rows of a corpus in memory: a folder written by `python -m
+    jax_tinybert.data.prepare` (it holds manifest.json) read as prepared
+    (`prepared.load_prepared`: its tokenizer and seq_len checked), else `build_packed_corpus`
+    of the text files and folders."""
+    listed = _listed(paths)
     if any(prepared.is_prepared(p) for p in listed):
-        if len(listed) > 1:
-            raise prepared.PreparedError(f"corpus {listed}: a prepared folder (with "
-                                         "manifest.json) must be the only path")
+        _only_one(listed)
         return prepared.load_prepared(os.fspath(listed[0]), tokenizer, seq_len, mode=mode)
     return build_packed_corpus(paths, tokenizer, seq_len, cache_dir=cache_dir, mode=mode)
+
+
+def _listed(paths: PathOrPaths) -> List[str]:
+    return [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [
+        os.fspath(p) for p in paths]
+
+
+def _only_one(listed: Sequence[str]) -> None:
+    if len(listed) > 1:
+        raise prepared.PreparedError(f"corpus {list(listed)}: a prepared folder (with "
+                                     "manifest.json) must be the only path")
+
+
+# A prepared cache of raw text another process is assembling: how long to wait for it.
+PREPARE_WAIT_S = 3600.0
+
+
+def corpus_rows(paths: PathOrPaths, tokenizer, seq_len: int = 128, *, cache_dir: str,
+                mode: str = "sentences", memory_tokens: int = 0):
+    """The rows a general-distillation run reads (`reader.CorpusBatcher`'s source): a prepared
+    folder (local or in a bucket) opened by `prepared.open_rows`; text files and folders
+    (local or gs://, read as `python -m jax_tinybert.data.prepare` reads them) are prepared
+    first into `cache_dir/prepared-<content key>` (a bucket cache_dir: the local cache root),
+    reused by every later run on the same text. Corpora of at most `memory_tokens` tokens are
+    held in memory, larger ones read in place."""
+    from jax_tinybert.data import prepare
+
+    listed = _listed(paths)
+    if any(prepared.is_prepared(p) for p in listed):
+        _only_one(listed)
+        return prepared.open_rows(listed[0], tokenizer, seq_len, mode, memory_tokens)
+    settings = prepare.Settings(seq_len=int(seq_len), mode=mode)
+    planned = prepare.plan(listed, tokenizer, settings)
+    root = prepared._local_root() if fs.is_remote(cache_dir) else cache_dir
+    out = os.path.join(os.path.abspath(os.path.expanduser(root)), f"prepared-{planned['key']}")
+    if not prepared.is_prepared(out):
+        _prepare_or_wait(prepare, listed, out, tokenizer, settings, planned)
+    return prepared.open_rows(out, tokenizer, seq_len, mode, memory_tokens)
+
+
+def _prepare_or_wait(prepare, listed, out, tokenizer, settings, planned) -> None:
+    """Prepares `out`, or waits for the process of this run that is preparing it (a cache
+    folder the processes share)."""
+    import time
+
+    try:
+        if prepare.prepare(listed, out, tokenizer, settings, planned=planned) is not None:
+            return
+    except OSError:   # another process published the same part first
+        if prepared.is_prepared(out):
+            return
+        raise
+    log.info("another process is preparing %s; waiting for it", out)
+    t0 = time.monotonic()
+    while not prepared.is_prepared(out):
+        if time.monotonic() - t0 > PREPARE_WAIT_S:
+            raise prepared.PreparedError(
+                f"{out}: another process has been preparing this corpus for "
+                f"{PREPARE_WAIT_S:.0f} s without finishing; if it died, delete {out}.parts and "
+                "run again")
+        time.sleep(2.0)
 
 
 def pregenerated_files(path: str, epoch: int) -> str:
@@ -376,15 +436,3 @@ def read_pregenerated(path: str, tokenizer, *, epoch: int = 0, max_seq_len: Opti
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
     return EncodedDataset(cat(ids_l, np.int32), cat(tt_l, np.int8), offsets, None, pad)
-
-
-def corpus_batcher(dataset: EncodedDataset, global_batch_size: int, seq_len: int = 128, *,
-                   buckets: Optional[Sequence[int]] = None, seed: int = 0,
-                   num_epochs: Optional[int] = None, process_index: Optional[int] = None,
-                   process_count: Optional[int] = None) -> BucketedBatcher:
-    """Training batches over a packed/pregenerated corpus: shuffled by (seed, epoch), per-process
-    shards, resumable (`state_dict`). Batches have no `labels`. Packed sequences are all seq_len
-    long (but the last), so the default single bucket (seq_len,) wastes nothing."""
-    return BucketedBatcher(dataset, global_batch_size, buckets or (seq_len,), train=True, seed=seed,
-                           drop_remainder=True, num_epochs=num_epochs,
-                           process_index=process_index, process_count=process_count)

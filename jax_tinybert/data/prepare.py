@@ -458,31 +458,42 @@ def _existing(out: str, key: str, meta: Dict) -> Optional[Dict]:
     return None
 
 
+def plan(source_specs: Sequence[str], tokenizer, settings: Settings = Settings(),
+         hints: Optional[Dict] = None, tokenizer_name: str = "") -> Dict:
+    """What a prepare of `source_specs` would produce: the manifest's `meta` (its content key
+    under "key") and the resolved sources (under "_sources", not written)."""
+    sources = src.resolve(source_specs)
+    ident = src.identity(sources, hints or {})
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    key = prepare_key(tok_fp, ident, settings)
+    return {"key": key, "sources": list(source_specs), "source_identity": ident,
+            "stat_hints": src.stat_hints(sources, ident), "settings": dataclasses.asdict(settings),
+            "tokenizer": {"fingerprint": tok_fp, "name": str(tokenizer_name or getattr(
+                tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer.get_vocab()),
+                "cls_id": tokenizer.cls_token_id, "sep_id": tokenizer.sep_token_id,
+                "pad_id": tokenizer.pad_token_id}, "_sources": sources}
+
+
 def prepare(source_specs: Sequence[str], out: str, tokenizer, settings: Settings = Settings(),
             shard: int = 0, num_shards: int = 1, finalize: bool = False,
-            tokenizer_name: str = "") -> Optional[Dict]:
+            tokenizer_name: str = "", planned: Optional[Dict] = None) -> Optional[Dict]:
     """Prepares the corpus of `source_specs` into folder `out` (module docstring): this
     worker's part, then the assembly when every part is done. Returns the manifest, or None
-    when parts of other workers are still missing."""
+    when parts of other workers are still missing. planned: `plan(...)` of these arguments
+    (its files are then not hashed again)."""
     if not 0 <= shard < num_shards:
         raise UserError(f"--shard {shard} --num_shards {num_shards}: need 0 <= shard < num_shards")
     if fs.is_remote(out):
         raise UserError(f"--out {out}: a prepared folder is written to a file system the "
                         "workers share (local, NFS, a mounted bucket), not to a bucket URL")
     out = os.path.abspath(os.path.expanduser(out)).rstrip("/")
-    sources = src.resolve(source_specs)
-    hints = {}
-    if os.path.isfile(os.path.join(out, MANIFEST)):
-        hints = read_manifest(out).get("stat_hints", {})
-    ident = src.identity(sources, hints)
-    tok_fp = tokenizer_fingerprint(tokenizer)
-    key = prepare_key(tok_fp, ident, settings)
-    meta = {"key": key, "sources": list(source_specs), "source_identity": ident,
-            "stat_hints": src.stat_hints(sources, ident), "settings": dataclasses.asdict(settings),
-            "tokenizer": {"fingerprint": tok_fp, "name": str(tokenizer_name or getattr(
-                tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer.get_vocab()),
-                "cls_id": tokenizer.cls_token_id, "sep_id": tokenizer.sep_token_id,
-                "pad_id": tokenizer.pad_token_id}}
+    if planned is None:
+        hints = {}
+        if os.path.isfile(os.path.join(out, MANIFEST)):
+            hints = read_manifest(out).get("stat_hints", {})
+        planned = plan(source_specs, tokenizer, settings, hints, tokenizer_name)
+    meta = {k: v for k, v in planned.items() if k != "_sources"}
+    sources, key = planned["_sources"], meta["key"]
     done = _existing(out, key, meta)
     if done is not None:
         print(f"{out}: already prepared (key {key}), reused", file=sys.stderr)

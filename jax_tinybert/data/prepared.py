@@ -14,11 +14,13 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+from jax_tinybert import fs
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
 from jax_tinybert.errors import UserError, tool_exit
 
@@ -36,7 +38,9 @@ class PreparedError(UserError, ValueError):
 
 
 def is_prepared(path: str) -> bool:
-    """Whether `path` is a folder holding a prepared corpus's manifest.json."""
+    """Whether `path` (a local folder or a bucket URL) holds a prepared corpus's manifest.json."""
+    if fs.is_remote(path):
+        return fs.isfile(f"{os.fspath(path).rstrip('/')}/{MANIFEST}")
     return os.path.isfile(os.path.join(os.path.expanduser(path), MANIFEST))
 
 
@@ -113,13 +117,11 @@ def read_rows(path: str, manifest: Optional[Dict] = None, check: bool = True) ->
     return EncodedDataset(ids, np.zeros(len(ids), np.int8), offsets, None, int(pad or 0))
 
 
-def load_prepared(path: str, tokenizer, seq_len: Optional[int] = None,
-                  mode: Optional[str] = None) -> EncodedDataset:
-    """A run's view of prepared folder `path`: refuses a manifest made with another tokenizer
-    (naming both) or another seq_len, then `read_rows` (shards checked against their sha256).
-    A `mode` other than the folder's is only logged: the rows were packed at prepare time."""
-    path = os.path.expanduser(path)
-    m = read_manifest(path)
+def check_for_run(path: str, manifest: Dict, tokenizer, seq_len: Optional[int] = None,
+                  mode: Optional[str] = None) -> None:
+    """Refuses a manifest made with another tokenizer (naming both) or another seq_len; a
+    `mode` other than the folder's is only logged (the rows were packed at prepare time)."""
+    m = manifest
     want = tokenizer_fingerprint(tokenizer)
     got = m["tokenizer"]["fingerprint"]
     if got != want:
@@ -136,9 +138,114 @@ def load_prepared(path: str, tokenizer, seq_len: Optional[int] = None,
     if mode and mode != m["settings"]["mode"]:
         log.warning("%s was packed in mode %r; data.corpus_mode=%r does not apply to it", path,
                     m["settings"]["mode"], mode)
+
+
+def load_prepared(path: str, tokenizer, seq_len: Optional[int] = None,
+                  mode: Optional[str] = None) -> EncodedDataset:
+    """All rows of prepared folder `path` in memory, after `check_for_run` (shards checked
+    against their sha256)."""
+    path = os.path.expanduser(path)
+    m = read_manifest(path)
+    check_for_run(path, m, tokenizer, seq_len, mode)
     ds = read_rows(path, m)
     log.info("read %d prepared rows (%d tokens) from %s", len(ds), int(ds.offsets[-1]), path)
     return ds
+
+
+def open_rows(path: str, tokenizer, seq_len: Optional[int] = None, mode: Optional[str] = None,
+              memory_tokens: int = 0, local_dir: Optional[str] = None):
+    """The rows of prepared folder `path` for a run: in memory (an EncodedDataset) when they
+    hold at most `memory_tokens` tokens, else read in place (`reader.PreparedRows`). A folder in
+    a bucket is first copied to local disk once (`local_copy` into `local_dir`). Shards are
+    checked against the manifest's sha256 once per local copy (a stamp records their sizes
+    and mtimes) and by size at every start."""
+    from jax_tinybert.data.reader import PreparedRows
+
+    if fs.is_remote(path):
+        path = local_copy(path, local_dir or _local_root())
+    path = os.path.expanduser(path)
+    m = read_manifest(path)
+    check_for_run(path, m, tokenizer, seq_len, mode)
+    verify_once(path, m)
+    if int(m["tokens"]) <= int(memory_tokens):
+        ds = read_rows(path, m, check=False)
+        log.info("read %d prepared rows (%d tokens) into memory from %s", len(ds),
+                 int(ds.offsets[-1]), path)
+        return ds
+    log.info("reading %d prepared rows (%d tokens) in place from %s (%d shards)", m["rows"],
+             m["tokens"], path, len(m["shards"]))
+    return PreparedRows(path, m)
+
+
+def _local_root() -> str:
+    import tempfile
+
+    return os.path.join(fs.cache_root() or tempfile.gettempdir(), "prepared")
+
+
+def _stamp(path: str, m: Dict) -> str:
+    st = [os.stat(os.path.join(path, s["file"])) for s in m["shards"]]
+    blob = json.dumps([m["key"], os.path.realpath(path)] +
+                      [[x.st_size, x.st_mtime_ns] for x in st])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def verify_once(path: str, m: Dict) -> None:
+    """`verify` (sha256 of every shard) unless this machine verified these very files before
+    (same path, sizes, mtimes: a stamp under the local cache root); sizes always."""
+    for s in m["shards"]:
+        p = os.path.join(path, s["file"])
+        if not os.path.isfile(p):
+            raise PreparedError(f"{path}: shard {s['file']} is missing; prepare the corpus again "
+                                "(or restore the file)")
+        if os.path.getsize(p) != s["bytes"]:
+            raise PreparedError(f"{path}: shard {s['file']} is damaged ({os.path.getsize(p)} "
+                                f"bytes, the manifest says {s['bytes']}); prepare the corpus "
+                                "again (or restore the file)")
+    stamp = os.path.join(_local_root(), "verified", _stamp(path, m))
+    if os.path.isfile(stamp):
+        return
+    verify(path, m)
+    try:
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        fs.write_json_atomic(stamp, {"path": path, "key": m["key"]})
+    except OSError:   # a read-only home: verified again next time
+        pass
+
+
+def local_copy(url: str, root: str) -> str:
+    """A local copy of prepared folder `url` (a bucket) under `root`, named by the manifest's
+    key: downloaded once (into a temporary folder, checked against the manifest, then renamed),
+    reused by every later run on this machine."""
+    with fs.open_file(f"{url.rstrip('/')}/{MANIFEST}", "rb") as fh:
+        m = json.loads(fh.read())
+    out = os.path.join(root, f"prepared-{m['key']}")
+    if os.path.isfile(os.path.join(out, MANIFEST)):
+        return out
+    os.makedirs(root, exist_ok=True)
+    tmp = fs.mkdtemp(out)
+    try:
+        from jax_tinybert.progress import Progress
+
+        total = sum(int(s["bytes"]) for s in m["shards"])
+        done = 0
+        with Progress(f"copy {url} to local disk", total=total, unit="B") as prog:
+            for s in m["shards"]:
+                with fs.open_file(f"{url.rstrip('/')}/{s['file']}", "rb") as src, \
+                        open(os.path.join(tmp, s["file"]), "wb") as dst:
+                    for chunk in iter(lambda: src.read(8 << 20), b""):
+                        dst.write(chunk)
+                        done += len(chunk)
+                        prog.set(done)
+        verify(tmp, m)
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(m, f)
+        fs.swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("copied prepared corpus %s to %s", url, out)
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -40,6 +40,8 @@ def arrays_fingerprint(*arrays) -> str:
 
 def dataset_fingerprint(dataset) -> str:
     """Fingerprint of an `EncodedDataset`-like object (token ids, segments, offsets)."""
+    if getattr(dataset, "fingerprint", None):   # rows read in place (data.reader)
+        return dataset.fingerprint
     parts = [getattr(dataset, k, None) for k in ("input_ids", "token_type_ids", "offsets")]
     if all(p is None for p in parts):
         raise TypeError(f"dataset_fingerprint: {type(dataset).__name__} has no input_ids/"

@@ -40,7 +40,7 @@ from jax_tinybert.teacher import training as teacher_training
 from jax_tinybert.teacher import fingerprint as teacher_fingerprint
 from jax_tinybert.teacher import stream as teacher_stream
 from jax_tinybert.config.check import DTYPES, ConfigValueError, owned_by_a_run, record_speed
-from jax_tinybert.data import batching, corpus, glue, synthetic, tokenize
+from jax_tinybert.data import batching, corpus, glue, reader, synthetic, tokenize
 from jax_tinybert.model.hf import bert_params, load_pretrained, resolve_path
 from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, BertModel,
                                          init_classifier, random_params)
@@ -194,11 +194,15 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
             raise ConfigValueError("config.data.kind='corpus' needs config.data.corpus: text files "
                                    "or folders (e.g. data/corpus)")
         files = [p for p in str(dc.corpus).split(",") if p]
-        # A folder of data.prepare is read as prepared; text is tokenized and packed here.
-        ds = corpus.packed_corpus(files, tok, dc.seq_len, cache_dir=cache_dir,
-                                  mode=dc.corpus_mode)
-        ds = subset(ds, dc.train_subset, seed)
-        batches = corpus.corpus_batcher(ds, gb, dc.seq_len, seed=seed)
+        # A folder of data.prepare is read as prepared; text is prepared into the cache first.
+        ds = corpus.corpus_rows(files, tok, dc.seq_len, cache_dir=cache_dir, mode=dc.corpus_mode,
+                                memory_tokens=dc.corpus_memory_tokens)
+        idx = tokenize.subset_indices(len(ds), dc.train_subset, seed)
+        if idx is not None:
+            ds = (tokenize.take(ds, idx) if isinstance(ds, tokenize.EncodedDataset)
+                  else reader.SubsetRows(ds, idx))
+        batches = reader.CorpusBatcher(ds, gb, dc.seq_len, seed=seed,
+                                       read_threads=dc.read_threads, prefetch=dc.prefetch)
         return Data(batches, None, None, None, 1, None, ds)
     spec = glue.get_task(dc.task)
     glue_dir = dc.glue_dir or os.environ.get("GLUE_DIR", "")

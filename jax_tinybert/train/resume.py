@@ -38,7 +38,9 @@ def input_fingerprints(run) -> Dict[str, str]:
         out["teacher"] = run.models.teacher_fingerprint
     ds = run.data.train_dataset
     ids, offsets = getattr(ds, "input_ids", None), getattr(ds, "offsets", None)
-    if ids is not None and offsets is not None:
+    if getattr(ds, "fingerprint", None):   # rows read in place: the prepared content's key
+        out["train_data"] = ds.fingerprint
+    elif ids is not None and offsets is not None:
         out["train_data"] = teacher_fingerprint.arrays_fingerprint(
             _token_sample(ids), _token_sample(getattr(ds, "token_type_ids", None)), offsets,
             getattr(ds, "labels", None))
