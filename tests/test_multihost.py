@@ -18,6 +18,7 @@ about 2-3 minutes on 2 cores.
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -229,3 +230,122 @@ def test_a_held_workdir_stops_every_process_of_a_second_job_before_its_data(setu
             f"error: workdir {wd} is in use by another run (pid {holder.pid} "), log[-3000:]
         assert "Traceback" not in log and "SST-2 train:" not in log
     assert os.listdir(wd) == [".jtb-lock"]    # no data, cache or record of the second job
+
+
+# ----------------------------------------------------------------------------- general distillation
+# A prepared corpus read per host through Grain (data/reader.py): the rows each process reads are
+# recorded by multihost_main (JTB_TEST_ROWS_OUT), step by step.
+
+CORPUS_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory, shared_dir, teacher_dir):
+    """Two books prepared at seq_len 32 in shards of 300 rows (read in place by every run)."""
+    from jax_tinybert.data import prepare, tokenize
+
+    tok = tokenize.load_data_tokenizer(teacher_dir)
+    books = [str(shared_dir / "data" / "corpus" / n) for n in
+             ("gutenberg_pg1656_plato_apology_jowett.txt",
+              "gutenberg_pg1974_aristotle_poetics_butcher.txt")]
+    out = str(tmp_path_factory.mktemp("mh_corpus") / "prep")
+    prepare.prepare(books, out, tok, prepare.Settings(seq_len=32, rows_per_shard=300))
+    return out
+
+
+def _gd_args(wd, teacher, corpus):
+    return ["--config=configs/general_distill.py:tiny", f"--workdir={wd}",
+            f"--config.teacher.path={teacher}", f"--config.data.corpus={corpus}",
+            "--config.data.seq_len=32", "--config.data.corpus_memory_tokens=0",
+            "--config.student.dropout=False", "--config.train.batch_size=16",
+            f"--config.train.num_steps={CORPUS_STEPS}", "--config.train.checkpoint_every=4",
+            "--config.train.log_every=1", "--config.train.max_to_keep=3",
+            "--config.export.enabled=False"]
+
+
+def _rows_read(out_dir, n):
+    """{step: rows of the global batch, process 0's first} from the processes' records (the last
+    record of a step wins: a resumed run reads its steps again)."""
+    per = []
+    for p in range(n):
+        recs = {}
+        for line in (pathlib.Path(out_dir) / f"rows_p{p}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            recs[r["step"]] = r["rows"]
+        per.append(recs)
+    assert all(set(r) == set(per[0]) for r in per), [sorted(r) for r in per]
+    return {s: sum((per[p][s] for p in range(n)), []) for s in per[0]}
+
+
+def _losses(wd):
+    return {s: v[-1] for s, v in T.read_metrics(wd).items()}
+
+
+def _close(a, b, rel=1e-5):
+    assert sorted(a) == sorted(b) == list(range(1, CORPUS_STEPS + 1)), (sorted(a), sorted(b))
+    worst = max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
+    assert worst <= rel, worst
+
+
+@pytest.fixture(scope="module")
+def corpus_unbroken(setup, corpus_dir, tmp_path_factory):
+    """General distillation on 1 process x 8 devices and on 2 x 4 (interleaved): (workdir, rows)
+    of each."""
+    teacher = T.tiny_teacher(tmp_path_factory.getbasetemp() / "tiny_teacher")
+    out = {}
+    for n, d, order in ((1, 8, "plain"), (2, 4, "interleaved")):
+        base = tmp_path_factory.mktemp(f"gd_{n}x{d}")
+        env = _env(setup[1], JTB_TEST_ROWS_OUT=str(base), JTB_TEST_DEVICE_ORDER=order)
+        res, logs = _launch(n, d, _gd_args(base / "wd", teacher, corpus_dir), env, base / "logs")
+        assert res.returncode == 0, res.stderr[-4000:]
+        assert "reading " in logs[0] and "in place from" in logs[0], logs[0][-3000:]
+        out[n] = (base / "wd", _rows_read(base, n))
+    return teacher, out
+
+
+@pytest.mark.timeout(600)
+def test_hosts_read_disjoint_rows_whose_union_is_the_one_process_batch(corpus_unbroken):
+    _, runs = corpus_unbroken
+    (wd1, rows1), (wd2, rows2) = runs[1], runs[2]
+    for s in range(1, CORPUS_STEPS + 1):
+        assert len(set(rows2[s])) == 16                       # no row read by both hosts
+        assert rows2[s] == rows1[s], s                        # the same global batch
+    epoch = [r for s in sorted(rows1) for r in rows1[s]]
+    assert len(set(epoch)) == len(epoch)                      # 16 steps inside one epoch
+    _close(_losses(wd2), _losses(wd1))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("killed_on,resumed_on", [((2, 4), (2, 4)), ((4, 2), (2, 4))])
+def test_general_distillation_killed_then_resumed(killed_on, resumed_on, setup, corpus_dir,
+                                                  corpus_unbroken, tmp_path):
+    """Every process killed after checkpoint 8 (a preempted slice), resumed: on the same process
+    count the run's outputs are the unbroken run's exactly; on another, the rows of every step
+    are the same and the losses agree to 1e-5 relative."""
+    teacher, runs = corpus_unbroken
+    wd, (n, d) = tmp_path / "wd", killed_on
+    args = _gd_args(wd, teacher, corpus_dir)
+    env = _env(setup[1], JTB_TEST_DEVICE_ORDER="interleaved")
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "resumed").mkdir()
+    procs = _start(n, d, args, dict(env, JTB_TEST_STEP_SLEEP="0.3",
+                                    JTB_TEST_ROWS_OUT=str(tmp_path / "killed")), tmp_path)
+    try:
+        T.wait_for(lambda: T.checkpoint_done(wd, 8), RUN_TIMEOUT, procs[0], "checkpoint 8")
+    finally:
+        _stop(procs)
+    assert max(T.read_metrics(wd)) < CORPUS_STEPS, "finished before the kill: nothing tested"
+    res, logs = _launch(*resumed_on, args, dict(env, JTB_TEST_ROWS_OUT=str(tmp_path / "resumed")),
+                        tmp_path / "logs")
+    assert res.returncode == 0, res.stderr[-4000:]
+    resumed = [l for l in logs[0].splitlines() if l.startswith("resumed from step ")]
+    assert len(resumed) == 1 and int(resumed[0].split()[3]) >= 8, logs[0][-3000:]
+    straight_wd, straight = runs[2]
+    before, after = _rows_read(tmp_path / "killed", n), _rows_read(tmp_path / "resumed", 2)
+    assert sorted(after) == list(range(int(resumed[0].split()[3]) + 1, CORPUS_STEPS + 1))
+    for rows in (before, after):
+        assert {s: straight[s] for s in rows} == rows
+    if killed_on == resumed_on:
+        T.assert_same_outputs(straight_wd, wd)
+    else:
+        _close(_losses(wd), _losses(straight_wd))

@@ -1,7 +1,7 @@
 """Reading a corpus folder written by `python -m jax_tinybert.data.prepare`.
 
-A prepared folder holds `manifest.json` and ArrayRecord shards `rows-NNNNN.array_record`: one
-record per packed sequence (`[CLS] ... [SEP]`, at most seq_len ids) as little-endian uint16 ids
+A prepared folder holds `manifest.json` and ArrayRecord shards `rows-NNNNN.array_record`
+(RECORD_OPTIONS): one record per packed sequence (`[CLS] ... [SEP]`, at most seq_len ids) as little-endian uint16 ids
 (uint32 when the vocab exceeds 65,535 entries). Token types are all 0 and not stored. The
 manifest names the tokenizer (fingerprint), the sources (content), the packing settings and
 every shard's rows, bytes and sha256.
@@ -28,9 +28,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = "jax_tinybert.prepared/1"
 MANIFEST = "manifest.json"
-# One record per chunk (group_size:1): Grain reads any record without its neighbours; a
-# 256-byte record gains nothing from compression.
-RECORD_OPTIONS = "group_size:1,uncompressed"
+# 16 records per chunk: a reader keeps one index entry per chunk in memory (~10 bytes each: 0.75
+# GB a process for 75M rows at group_size:1, 16x less here) and a random read fetches 16 x 256 B
+# = one 4 KB page, the same I/O as one record (benchmarks/RESULTS.md#the-corpus-input-pipeline).
+# Uncompressed: a chunk of token ids gains little from compression and random reads pay for it.
+RECORD_OPTIONS = "group_size:16,uncompressed"
 
 
 class PreparedError(UserError, ValueError):

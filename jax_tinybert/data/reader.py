@@ -16,8 +16,10 @@ on any process count with the same global batch.
 Rows come from a row source with `__len__`, `gather(rows, T)` and `lengths`: a prepared folder's
 ArrayRecord shards (`PreparedRows`, read in place: a process holds only the batches in flight) or
 an in-memory / memmapped `EncodedDataset` (a small corpus, the official pregenerated files).
-Reading is by batch (one ArrayRecord `__getitems__` per batch: parallel reads in C++), on
-`read_threads` threads `prefetch` batches ahead of the step.
+Reading is by batch (one ArrayRecord read per shard a batch touches: the reads run in C++), on
+`read_threads` threads `prefetch` batches ahead of the step. The shards are read by
+`PreparedRows` itself rather than Grain's ArrayRecordDataSource, which opens every shard up front
+and asks for group_size:1 files (see prepared.RECORD_OPTIONS for why they hold 16 rows a chunk).
 
 GLUE tasks keep `batching.BucketedBatcher`: the same contract (one global plan by (seed, epoch),
 each process its rows, resume by (epoch, step)), but length-bucketed plans need the whole length
@@ -57,20 +59,44 @@ class PreparedRows:
         for s in manifest["shards"]:
             h.update(s["sha256"].encode())
         self.fingerprint = h.hexdigest()[:24]
-        self._source = None
+        self._starts = np.concatenate([[0], np.cumsum([int(s["rows"]) for s in
+                                                        manifest["shards"]])]).astype(np.int64)
+        self._readers, self._lock = None, None   # opened on first read, one per shard
 
     def __len__(self) -> int:
         return self.num_rows
 
     def __getstate__(self):   # Grain worker processes get the paths, not open readers
-        return dict(self.__dict__, _source=None)
+        return dict(self.__dict__, _readers=None, _lock=None)
 
     def _records(self, rows) -> list:
-        if self._source is None:
-            from grain.sources import ArrayRecordDataSource
+        """The records of global rows `rows`, one ArrayRecord read per shard touched."""
+        if self._readers is None:
+            import threading
 
-            self._source = ArrayRecordDataSource(self.files)
-        return self._source.__getitems__([int(r) for r in rows])
+            self._readers, self._lock = [None] * len(self.files), threading.Lock()
+        rows = np.asarray(rows, np.int64)
+        order = np.argsort(rows, kind="stable")
+        srt = rows[order]
+        # Where each shard's rows begin and end in the sorted rows.
+        cut = np.searchsorted(srt, self._starts)
+        out = [b""] * len(rows)
+        for k in np.flatnonzero(cut[1:] > cut[:-1]).tolist():
+            lo, hi = int(cut[k]), int(cut[k + 1])
+            recs = self._reader(k).read((srt[lo:hi] - self._starts[k]).tolist())
+            for i, r in zip(order[lo:hi].tolist(), recs):
+                out[i] = r
+        return out
+
+    def _reader(self, k: int):
+        if self._readers[k] is None:
+            from array_record.python.array_record_module import ArrayRecordReader
+
+            with self._lock:
+                if self._readers[k] is None:
+                    # No read-ahead: the reads are random.
+                    self._readers[k] = ArrayRecordReader(self.files[k], "readahead_buffer_size:0")
+        return self._readers[k]
 
     @property
     def lengths(self) -> np.ndarray:

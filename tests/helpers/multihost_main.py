@@ -8,6 +8,8 @@ JTB_TEST_DAMAGED_VIEW=P:S[,P:S...]: process P sees periodic step S as damaged (i
   fails there only, as with a stale cache on one host).
 JTB_TEST_UNREADABLE=P:S[,...]: on process P orbax fails to read periodic step S (an I/O error on
   that host only; the digests are intact).
+JTB_TEST_ROWS_OUT=DIR: every corpus batch a process reads is appended to DIR/rows_p<i>.jsonl as
+  {"step": global step, "rows": its example ids} (the rows each host read, for the tests).
 """
 import os
 
@@ -68,6 +70,24 @@ if _steps("JTB_TEST_UNREADABLE"):
         return _restore(self, directory, *args, **kwargs)
 
     ocp.PyTreeCheckpointHandler.restore = restore
+
+if os.environ.get("JTB_TEST_ROWS_OUT"):
+    import json
+
+    from jax_tinybert.data import reader
+
+    _next = reader.CorpusBatcher.__next__
+
+    def next_recorded(self):
+        import jax
+
+        batch = _next(self)
+        path = os.path.join(os.environ["JTB_TEST_ROWS_OUT"], f"rows_p{jax.process_index()}.jsonl")
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": self._done, "rows": batch["example_id"].tolist()}) + "\n")
+        return batch
+
+    reader.CorpusBatcher.__next__ = next_recorded
 
 if __name__ == "__main__":
     main.run()
