@@ -141,6 +141,30 @@ def test_rows_read_in_place_equal_rows_in_memory(prep, tok, local_cache):
     assert sub.fingerprint != disk.fingerprint
 
 
+def test_worker_processes_read_the_same_batches_and_resume(prep, tok, local_cache):
+    """data.read_workers=2: Grain's worker processes give the batches the threads give, and a
+    resume from their saved state continues them."""
+    rows = prepared.open_rows(prep, tok, SEQ, memory_tokens=0)
+    ref = reader.CorpusBatcher(rows, 32, SEQ, seed=4, process_index=1, process_count=2)
+    mp = reader.CorpusBatcher(rows, 32, SEQ, seed=4, process_index=1, process_count=2,
+                              read_workers=2)
+    try:
+        want = _take(ref, 9)
+        got = _take(mp, 6)
+        state = mp.state_dict()
+        again = reader.CorpusBatcher(rows, 32, SEQ, seed=4, process_index=1, process_count=2,
+                                     read_workers=2)
+        again.load_state_dict(state)
+        got += _take(again, 3)
+    finally:
+        mp._close()
+        again._close()
+    assert state["grain"] == {"next_index": 6}
+    for x, y in zip(got, want):
+        for k in y:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
 def test_damaged_or_missing_shards_are_named(prep, tok, tmp_path, local_cache):
     copy = str(tmp_path / "copy")
     shutil.copytree(prep, copy)

@@ -27,7 +27,7 @@ from jax_tinybert.model.hf import WEIGHT_FILES, resolve_path
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
                     "train.max_to_keep", "train.eval_batch_size", "export.enabled",
                     "data.cache_dir", "mesh.teacher", "data.corpus_memory_tokens",
-                    "data.read_threads", "data.prefetch",
+                    "data.read_threads", "data.prefetch", "data.read_workers",
                     # how fast, not what: a workdir made on one backend resumes on another
                     *speed.SPEED_FIELDS}
 # Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may

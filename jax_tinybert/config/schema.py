@@ -120,6 +120,8 @@ def _data() -> ml_collections.ConfigDict:
                                  # (the teacher's per-token cache can then be planned); larger
                                  # ones are read in place from their ArrayRecord shards
         read_threads=2, prefetch=8,  # kind=corpus: Grain threads reading batches, batches ahead
+        read_workers=0,          # kind=corpus: Grain worker processes (0 = threads only; more
+                                 # for a many-core host feeding several accelerators)
         synthetic_train=2000, synthetic_eval=400,
         cache_dir="",            # default: <workdir>/cache
         skip_bad_rows=False,

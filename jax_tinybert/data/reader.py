@@ -125,26 +125,38 @@ def _grain():
     return grain
 
 
-def _process_steps_dataset(order, n: int, g: int, b: int, p: int, steps: int, epochs: int):
-    """The grain MapDataset of process p's row indices, one item per global step: item t holds
-    positions [p*b, (p+1)*b) of step t (module docstring), int64 [b]."""
+def _process_steps_class():
+    """grain.MapDataset of process p's row indices, one item per global step: item t holds
+    positions [p*b, (p+1)*b) of step t (module docstring), int64 [b]. Made on first use (grain
+    is imported only by corpus runs) and bound at module level, so that Grain's worker
+    processes can unpickle it."""
+    cls = globals().get("_ProcessSteps")
+    if cls is not None:
+        return cls
     grain = _grain()
 
-    class ProcessSteps(grain.MapDataset):
+    class _ProcessSteps(grain.MapDataset):
+        def __init__(self, order, n: int, g: int, b: int, p: int, steps: int, epochs: int):
+            super().__init__(order)
+            self._shape = (n, g, b, p, steps, epochs)
+
         def __len__(self) -> int:
-            return epochs * steps
+            return self._shape[4] * self._shape[5]
 
         def __str__(self) -> str:
-            return f"ProcessSteps(process={p}, rows_per_step={b}, global_batch={g})"
+            n, g, b, p, _, _ = self._shape
+            return f"ProcessSteps(process={p}, rows_per_step={b}, global_batch={g}, rows={n})"
 
         def __getitem__(self, t):
             if isinstance(t, slice):
                 return self.slice(t)
+            n, g, b, p, steps, _ = self._shape
             e, s = divmod(int(t), steps)
             start = e * n + s * g + p * b
             return np.asarray(self._parent._getitems(list(range(start, start + b))), np.int64)
 
-    return ProcessSteps(order)
+    globals()["_ProcessSteps"] = _ProcessSteps
+    return _ProcessSteps
 
 
 class _ReadBatch:
@@ -208,14 +220,16 @@ class CorpusBatcher:
     Args:
       source: rows (`PreparedRows`, an `EncodedDataset`); global_batch_size: g, divisible by
         the process count; num_epochs: None = forever; read_threads, prefetch: Grain's
-        ReadOptions (threads reading batches, batches read ahead).
+        ReadOptions (threads reading batches, batches read ahead); read_workers: Grain worker
+      processes (0: threads of this process only).
     Yields input_ids / attention_mask / token_type_ids int32 [b, seq_len], example_id int64 [b]
     (the corpus row), valid float32 [b] (all 1).
     """
 
     def __init__(self, source, global_batch_size: int, seq_len: int = 128, *, seed: int = 0,
                  num_epochs: Optional[int] = None, process_index: Optional[int] = None,
-                 process_count: Optional[int] = None, read_threads: int = 2, prefetch: int = 8):
+                 process_count: Optional[int] = None, read_threads: int = 2, prefetch: int = 8,
+                 read_workers: int = 0):
         self.dataset = source
         self.global_batch_size = int(global_batch_size)
         self.buckets = (int(seq_len),)
@@ -227,6 +241,7 @@ class CorpusBatcher:
                              f"{self.process_count} processes")
         self.local_batch_size = self.global_batch_size // self.process_count
         self.read_threads, self.prefetch = int(read_threads), int(prefetch)
+        self.read_workers = int(read_workers)
         self.num_rows = len(source)
         self.steps_per_epoch = self.num_rows // self.global_batch_size
         if self.steps_per_epoch == 0:
@@ -278,14 +293,26 @@ class CorpusBatcher:
 
     # -- iteration --------------------------------------------------------------------------
     def _pipeline(self):
+        """Grain's iterator from the step after the `_done` ones taken."""
         grain = _grain()
         epochs = self.num_epochs if self.num_epochs is not None else 1 << 30
-        steps = _process_steps_dataset(self._order(), self.num_rows, self.global_batch_size,
+        steps = _process_steps_class()(self._order(), self.num_rows, self.global_batch_size,
                                        self.local_batch_size, self.process_index,
                                        self.steps_per_epoch, int(epochs))
         ds = steps.map(_ReadBatch(self.dataset, self.buckets[0]))
-        return ds.to_iter_dataset(grain.ReadOptions(num_threads=self.read_threads,
-                                                    prefetch_buffer_size=self.prefetch))
+        opts = grain.ReadOptions(num_threads=self.read_threads, prefetch_buffer_size=self.prefetch)
+        if not self.read_workers:
+            it = iter(ds.to_iter_dataset(opts))
+            it.set_state({"next_index": self._done})
+            return it
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():   # Grain's workers read its absl flags (a library call)
+            flags.FLAGS.mark_as_parsed()
+        # Worker processes each take every k-th item: start from a slice rather than a state,
+        # so that a resume needs no per-worker state.
+        return iter(ds[self._done:].to_iter_dataset(opts).mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=self.read_workers)))
 
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         return self
@@ -294,8 +321,7 @@ class CorpusBatcher:
         if self.num_epochs is not None and self._done >= self.num_epochs * self.steps_per_epoch:
             raise StopIteration
         if self._it is None:
-            self._it = iter(self._pipeline())
-            self._it.set_state({"next_index": self._done})
+            self._it = self._pipeline()
         batch = next(self._it)
         self._done += 1
         return batch
@@ -315,12 +341,20 @@ class CorpusBatcher:
 
     def reset(self) -> None:
         """Back to the first step."""
-        self._done, self._it = 0, None
+        self._close()
+        self._done = 0
+
+    def _close(self) -> None:
+        if self._it is not None and hasattr(self._it, "close"):
+            self._it.close()
+        self._it = None
 
     def state_dict(self) -> Dict:
         """Position to resume from (the next batch is step `step` of epoch `epoch`), with Grain's
         iterator state and what the order depends on."""
-        grain_state = self._it.get_state() if self._it is not None else {"next_index": self._done}
+        # Grain's state of the in-process iterator (a worker pool's covers its slice only).
+        grain_state = (self._it.get_state() if self._it is not None and not self.read_workers
+                       else {"next_index": self._done})
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed,
                 "num_examples": self.num_rows, "global_batch_size": self.global_batch_size,
                 "steps_per_epoch": self.steps_per_epoch, "buckets": list(self.buckets),
@@ -338,4 +372,5 @@ class CorpusBatcher:
         if saved is not None and int(saved) != done:
             raise ValueError(f"cannot resume: the saved reader state ({saved} steps) disagrees "
                              f"with epoch {state['epoch']} step {state['step']}")
-        self._done, self._it = done, None
+        self._close()
+        self._done = done

@@ -202,7 +202,8 @@ def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
             ds = (tokenize.take(ds, idx) if isinstance(ds, tokenize.EncodedDataset)
                   else reader.SubsetRows(ds, idx))
         batches = reader.CorpusBatcher(ds, gb, dc.seq_len, seed=seed,
-                                       read_threads=dc.read_threads, prefetch=dc.prefetch)
+                                       read_threads=dc.read_threads, prefetch=dc.prefetch,
+                                       read_workers=dc.read_workers)
         return Data(batches, None, None, None, 1, None, ds)
     spec = glue.get_task(dc.task)
     glue_dir = dc.glue_dir or os.environ.get("GLUE_DIR", "")
