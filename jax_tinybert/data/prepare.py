@@ -13,9 +13,8 @@ Workers: document i (global reading order) belongs to worker (i // BLOCK) % N. E
 reads all the text but tokenizes only its documents, into a part `OUT.parts/KEY/part-k-of-N`
 (the token stream of its documents, their indices, hashes and lengths). The last worker to
 finish (or `--finalize`) assembles OUT: documents in global order, duplicates across parts
-dropped, packed into rows: the same rows as one worker. Everything is written under a temp name
-and renamed into place (OUT absent or complete); a rerun reuses finished parts and an OUT with
-the same key (tokenizer, source content, settings).
+dropped, packed into rows: the same rows as one worker. All is written under a temp name, then
+renamed (OUT absent or complete); a rerun reuses finished parts and an OUT of the same key.
 """
 from __future__ import annotations
 
