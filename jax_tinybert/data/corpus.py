@@ -21,12 +21,13 @@ import logging
 import os
 import shutil
 import socket
+import time
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.data import prepared
+from jax_tinybert.data import prepare, prepared
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
 from jax_tinybert.progress import Progress
 
@@ -326,8 +327,6 @@ def corpus_rows(paths: PathOrPaths, tokenizer, seq_len: int = 128, *, cache_dir:
     first into `cache_dir/prepared-<content key>` (a bucket cache_dir: the local cache root),
     reused by every later run on the same text. Corpora of at most `memory_tokens` tokens are
     held in memory, larger ones read in place."""
-    from jax_tinybert.data import prepare
-
     listed = _listed(paths)
     if any(prepared.is_prepared(p) for p in listed):
         _only_one(listed)
@@ -337,15 +336,13 @@ def corpus_rows(paths: PathOrPaths, tokenizer, seq_len: int = 128, *, cache_dir:
     root = prepared._local_root() if fs.is_remote(cache_dir) else cache_dir
     out = os.path.join(os.path.abspath(os.path.expanduser(root)), f"prepared-{planned['key']}")
     if not prepared.is_prepared(out):
-        _prepare_or_wait(prepare, listed, out, tokenizer, settings, planned)
+        _prepare_or_wait(listed, out, tokenizer, settings, planned)
     return prepared.open_rows(out, tokenizer, seq_len, mode, memory_tokens)
 
 
-def _prepare_or_wait(prepare, listed, out, tokenizer, settings, planned) -> None:
+def _prepare_or_wait(listed, out, tokenizer, settings, planned) -> None:
     """Prepares `out`, or waits for the process of this run that is preparing it (a cache
     folder the processes share)."""
-    import time
-
     try:
         if prepare.prepare(listed, out, tokenizer, settings, planned=planned) is not None:
             return

@@ -21,8 +21,10 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from jax_tinybert import fs
+from jax_tinybert.data.reader import PreparedRows
 from jax_tinybert.data.tokenize import EncodedDataset, tokenizer_fingerprint
 from jax_tinybert.errors import UserError, tool_exit
+from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +163,6 @@ def open_rows(path: str, tokenizer, seq_len: Optional[int] = None, mode: Optiona
     a bucket is first copied to local disk once (`local_copy` into `local_dir`). Shards are
     checked against the manifest's sha256 once per local copy (a stamp records their sizes
     and mtimes) and by size at every start."""
-    from jax_tinybert.data.reader import PreparedRows
-
     if fs.is_remote(path):
         path = local_copy(path, local_dir or _local_root())
     path = os.path.expanduser(path)
@@ -227,8 +227,6 @@ def local_copy(url: str, root: str) -> str:
     os.makedirs(root, exist_ok=True)
     tmp = fs.mkdtemp(out)
     try:
-        from jax_tinybert.progress import Progress
-
         total = sum(int(s["bytes"]) for s in m["shards"])
         done = 0
         with Progress(f"copy {url} to local disk", total=total, unit="B") as prog:
