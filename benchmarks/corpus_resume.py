@@ -120,7 +120,7 @@ def main(argv=None):
                        base / "logs")
         ref_rows, ref_loss = _rows(base, 2), {s: v[-1] for s, v in T.read_metrics(base / "wd").items()}
         print(f"unbroken 2x1: {wall:.0f} s, {a.steps} steps", flush=True)
-        out = [{"run": "unbroken 2x1", "steps_same_rows": len(ref_rows), "max_rel_loss_diff": 0.0,
+        out = [{"case": "unbroken 2x1", "steps_same_rows": len(ref_rows), "max_rel_loss_diff": 0.0,
                 "wall_s": round(wall)}]
         for name, (n, d) in (("killed 2x1, resumed 2x1", (2, 1)),
                              ("killed 2x1, resumed 1x2", (1, 2))):
@@ -137,7 +137,7 @@ def main(argv=None):
             loss = {s: v[-1] for s, v in T.read_metrics(run / "wd").items()}
             same = sum(rows.get(s) == ref_rows[s] for s in ref_rows)
             diff = max(abs(loss[s] - ref_loss[s]) / abs(ref_loss[s]) for s in ref_loss)
-            out.append({"run": name, "steps_same_rows": same, "max_rel_loss_diff": float(f"{diff:.3g}"),
+            out.append({"case": name, "steps_same_rows": same, "max_rel_loss_diff": float(f"{diff:.3g}"),
                         "wall_s": round(wall)})
             print(json.dumps(out[-1]), flush=True)
     finally:
@@ -148,7 +148,7 @@ def main(argv=None):
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "cpu": cpu, "note": f"tinybert4 under the packaged MiniLM teacher, {a.steps} steps of "
                                     f"{a.batch} x 128 tokens, killed after step {a.steps // 2}"}
-        print("recorded", results.record("corpus_resume", results.machine_kind(), out, ("run",), meta))
+        print("recorded", results.record("corpus_resume", results.machine_kind(), out, ("case",), meta))
 
 
 if __name__ == "__main__":
