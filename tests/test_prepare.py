@@ -467,3 +467,30 @@ def test_parts_that_do_not_add_up_are_refused(tmp_path, tok, monkeypatch):
     with pytest.raises(prepared.PreparedError, match="do not add up to one corpus"):
         prepare.prepare(src, out, tok, _settings(), shard=1, num_shards=2)
     assert not os.path.exists(out)
+
+
+RACE = """
+import sys
+from jax_tinybert.data import corpus, tokenize
+tok = tokenize.load_data_tokenizer(sys.argv[1])
+rows = corpus.corpus_rows([sys.argv[2]], tok, 32, cache_dir=sys.argv[3])
+print(len(rows), int(rows.lengths.sum()), int(rows.gather(list(range(len(rows))), 32)["input_ids"].sum()))
+"""
+
+
+def test_processes_sharing_a_cache_prepare_raw_text_once(tmp_path, teacher_dir):
+    """Three processes of a run start on the same raw text and cache folder at once: one
+    prepares it, the others wait for it, all read the same rows."""
+    (tmp_path / "c.txt").write_text("\n\n".join("\n".join(d) for d in _many_docs(30000)))
+    env = dict(os.environ, JTB_PROGRESS="0",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(teacher_dir),
+                               str(tmp_path / "c.txt"), str(tmp_path / "cache")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
+    assert len({o.strip() for o, _ in outs}) == 1, outs
+    assert [n for n in os.listdir(tmp_path / "cache")] == [
+        n for n in os.listdir(tmp_path / "cache") if n.startswith("prepared-")
+        and "." not in n] and len(os.listdir(tmp_path / "cache")) == 1

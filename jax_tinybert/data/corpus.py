@@ -14,6 +14,7 @@ sequence packer kept as the reference the prepared rows are checked against.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -346,10 +347,9 @@ def _prepare_or_wait(listed, out, tokenizer, settings, planned) -> None:
     try:
         if prepare.prepare(listed, out, tokenizer, settings, planned=planned) is not None:
             return
-    except OSError:   # another process published the same part first
-        if prepared.is_prepared(out):
-            return
-        raise
+    except OSError as e:   # another process published the same part first: it assembles
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) and not prepared.is_prepared(out):
+            raise
     log.info("another process is preparing %s; waiting for it", out)
     t0 = time.monotonic()
     while not prepared.is_prepared(out):
