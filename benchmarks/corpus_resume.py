@@ -17,7 +17,6 @@ difference of a step's loss from the unbroken run's, and the wall time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -145,8 +144,7 @@ def main(argv=None):
     if a.record:
         import results
 
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "cpu": cpu, "note": f"tinybert4 under the packaged MiniLM teacher, {a.steps} steps of "
+        meta = {"note": f"tinybert4 under the packaged MiniLM teacher, {a.steps} steps of "
                                     f"{a.batch} x 128 tokens, killed after step {a.steps // 2}"}
         print("recorded", results.record("corpus_resume", results.machine_kind(), out, ("case",), meta))
 

@@ -18,7 +18,6 @@ tokens/s from the host's pipeline.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -141,8 +140,7 @@ def main(argv=None):
     if args.record:
         import results
 
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "cpu": cpu, "note": f"{args.steps} batches of {args.batch} rows of 128 tokens as "
+        meta = {"note": f"{args.steps} batches of {args.batch} rows of 128 tokens as "
                                     f"process 0 of 8; load ~{os.getloadavg()[0]:.1f}"}
         path = results.record("input_pipeline", results.machine_kind(), rows_out,
                               ("corpus", "read_threads"), meta)

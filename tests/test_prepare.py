@@ -494,3 +494,16 @@ def test_processes_sharing_a_cache_prepare_raw_text_once(tmp_path, teacher_dir):
     assert [n for n in os.listdir(tmp_path / "cache")] == [
         n for n in os.listdir(tmp_path / "cache") if n.startswith("prepared-")
         and "." not in n] and len(os.listdir(tmp_path / "cache")) == 1
+
+
+def test_a_rerun_on_unchanged_raw_text_does_not_hash_it_again(tmp_path, tok, monkeypatch):
+    (tmp_path / "c.txt").write_text("\n\n".join("\n".join(d) for d in _many_docs(300)))
+    first = corpus.corpus_rows([str(tmp_path / "c.txt")], tok, SEQ, cache_dir=str(tmp_path / "c"))
+    hashed = []
+    real = tokenize.file_fingerprint
+    monkeypatch.setattr(tokenize, "file_fingerprint", lambda p: (hashed.append(p), real(p))[1])
+    again = corpus.corpus_rows([str(tmp_path / "c.txt")], tok, SEQ, cache_dir=str(tmp_path / "c"))
+    assert hashed == [] and len(again) == len(first)
+    os.utime(tmp_path / "c.txt", (1, 1))                   # touched: hashed, the same corpus
+    corpus.corpus_rows([str(tmp_path / "c.txt")], tok, SEQ, cache_dir=str(tmp_path / "c"))
+    assert hashed == [str(tmp_path / "c.txt")] and len(os.listdir(tmp_path / "c")) == 1

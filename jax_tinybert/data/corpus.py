@@ -333,12 +333,26 @@ def corpus_rows(paths: PathOrPaths, tokenizer, seq_len: int = 128, *, cache_dir:
         _only_one(listed)
         return prepared.open_rows(listed[0], tokenizer, seq_len, mode, memory_tokens)
     settings = prepare.Settings(seq_len=int(seq_len), mode=mode)
-    planned = prepare.plan(listed, tokenizer, settings)
-    root = prepared._local_root() if fs.is_remote(cache_dir) else cache_dir
-    out = os.path.join(os.path.abspath(os.path.expanduser(root)), f"prepared-{planned['key']}")
+    root = os.path.abspath(os.path.expanduser(
+        prepared._local_root() if fs.is_remote(cache_dir) else cache_dir))
+    planned = prepare.plan(listed, tokenizer, settings, _stat_hints(root))
+    out = os.path.join(root, f"prepared-{planned['key']}")
     if not prepared.is_prepared(out):
         _prepare_or_wait(listed, out, tokenizer, settings, planned)
     return prepared.open_rows(out, tokenizer, seq_len, mode, memory_tokens)
+
+
+def _stat_hints(root: str) -> Dict:
+    """The files' (size, mtime, sha256) that earlier prepares in `root` recorded: a rerun on
+    unchanged text does not hash it again."""
+    hints: Dict = {}
+    for m in sorted(glob.glob(os.path.join(root, "prepared-*", prepared.MANIFEST))):
+        try:
+            with open(m, encoding="utf-8") as f:
+                hints.update(json.load(f).get("stat_hints", {}))
+        except (OSError, ValueError):
+            continue
+    return hints
 
 
 def _prepare_or_wait(listed, out, tokenizer, settings, planned) -> None:
