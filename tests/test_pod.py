@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_run as T
+from jax_tinybert.teacher import cache as tc
 from helpers import torch_rescore as R
 
 pytestmark = pytest.mark.multihost
@@ -145,9 +146,34 @@ def test_task_distillation_dev_metrics_on_an_interleaved_mesh(setup, reference, 
     env = _env(cache, "interleaved")
     log0 = _many(2, 4, _intermediate_args(tmp_path / "int", teacher, glue), env, tmp_path / "l1")
     assert "teacher per-token cache: yes" in log0, log0[-3000:]
+    # One pass split over both processes, read by both: no per-process copy, no part left (the
+    # per-token cache itself is removed by process 0 once the run is done).
+    assert "one pass split over the 2 processes" in log0, log0[-3000:]
+    assert not _teacher_caches(tmp_path / "int" / "cache"), os.listdir(tmp_path / "int" / "cache")
+    # The store off: the prediction stage's cache is forwarded here, split over the processes.
     log0 = _many(2, 4, _pred_args(tmp_path / "pred", teacher, tmp_path / "int" / "export", glue),
-                 env, tmp_path / "l2")
+                 dict(env, JTB_TEACHER_STORE="off"), tmp_path / "l2")
+    assert "one pass split over the 2 processes" in log0, log0[-3000:]
+    _same_cache(tmp_path / "pred" / "cache", reference["pred"] / "cache" / "teacher")
     _check_against(tmp_path / "pred", _acc(reference["pred"]), glue, log0, 2, "interleaved")
+
+
+def _teacher_caches(folder):
+    return sorted(n for n in os.listdir(folder) if n.startswith(("teacher", ".teacher")))
+
+
+def _same_cache(folder, one_process):
+    """The cache the processes split the pass of is one folder (no per-process copy, no part
+    left), and it equals the 1-process run's row for row (whose rows may come from the teacher
+    store's entry of the intermediate stage, forwarded unpacked: float rounding apart)."""
+    assert _teacher_caches(folder) == ["teacher"], os.listdir(folder)
+    split, one = tc.open_cache(str(folder / "teacher")), tc.open_cache(str(one_process))
+    rows = np.flatnonzero(split.filled)   # the rows the run's steps read
+    assert len(rows) > 0 and one.filled[rows].all()
+    a, b = split.lookup(rows), one.lookup(rows)
+    assert set(a) == set(b) and "teacher_logits" in a, (set(a), set(b))
+    for k in b:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-4, err_msg=k)
 
 
 @pytest.mark.timeout(600)

@@ -27,13 +27,12 @@ from jax_tinybert.model.hf import WEIGHT_FILES, resolve_path
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
                     "train.max_to_keep", "train.eval_batch_size", "export.enabled",
                     "data.cache_dir", "mesh.teacher", "data.corpus_memory_tokens",
-                    "data.read_threads", "data.prefetch", "data.read_workers",
+                    "data.read_threads", "data.prefetch", "data.read_workers", "teacher.cache_split",
                     # how fast, not what: a workdir made on one backend resumes on another
                     *speed.SPEED_FIELDS}
 # Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may
 # change them (to extend a run), with a warning naming the schedule change.
 SCHEDULE_FIELDS = ("train.num_steps", "train.num_epochs")
-RESUMABLE_CHANGES = NO_RESULT_CHANGE | set(SCHEDULE_FIELDS)   # kept for callers of the old name
 DTYPES = ("float32", "bfloat16", "float16")
 CONFIG_RECORD = "config.json"
 
@@ -173,7 +172,7 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "teacher.cache_tokens": ("auto", "always", "never"),
         "train.split_update": ("auto", "always", "never"),
         "teacher.cache_dtype": ("float16", "float32"),
-        "teacher.cache_build": ("auto", "beside", "before"),
+        "teacher.cache_build": ("auto", "beside", "before"), "teacher.cache_split": ("auto", "never"),
         "mesh.teacher": ("auto", "replicated", "sharded"),
     }
 
@@ -560,7 +559,8 @@ def check_workdir(config, workdir: str) -> None:
             old = json.load(fh)
         old_resolved = old.get("resolved") or old.get("config", {})
         # A record of an older version may hold fields that no longer decide the result.
-        old_resolved = {k: v for k, v in old_resolved.items() if k not in RESUMABLE_CHANGES}
+        old_resolved = {k: v for k, v in old_resolved.items() if k not in NO_RESULT_CHANGE
+                        and k not in SCHEDULE_FIELDS}
         if old.get("fingerprint") != fp:
             # A field the record lacks (added since it was written) had its default then; an
             # objective field's default is the named objective's own (base_config says None).

@@ -83,6 +83,10 @@ def _teacher() -> ml_collections.ConfigDict:
         # read it (a step waits for its rows), or "before" the first step; auto = beside on
         # CPU where the pass can follow the steps (not a packed one: speed.resolve).
         cache_build="auto",
+        # Several processes: "auto" splits the cache's pass over them, into one cache in the
+        # workdir that all read (where every process sees the workdir: gs://, NFS); "never":
+        # each process forwards every row into its own copy.
+        cache_split="auto",
     ))
 
 

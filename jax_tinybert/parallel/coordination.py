@@ -35,11 +35,12 @@ class Coordinator:
         self._counter = 0
         self._pending_delete: list[str] = []
 
-    def barrier(self, tag: str) -> None:
+    def barrier(self, tag: str, timeout_s: float = BARRIER_TIMEOUT_MS / 1000) -> None:
+        """Waits until every process has reached this barrier (timeout_s: then raises)."""
         if jax.process_count() == 1:
             return
         self._counter += 1
-        _client().wait_at_barrier(f"{self._ns}_{tag}_{self._counter}", BARRIER_TIMEOUT_MS)
+        _client().wait_at_barrier(f"{self._ns}_{tag}_{self._counter}", int(timeout_s * 1000))
 
     def from_process_0(self, value: str, tag: str) -> str:
         """Process 0's `value`, on every process (the others' own `value` is ignored)."""

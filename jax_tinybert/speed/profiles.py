@@ -37,6 +37,9 @@ class Profile:
     # batches).
     forwards_in_flight: int
     forward_tokens: int
+    # The pass's forwards split over all of a host's devices (CPU devices share its cores: a
+    # split forward only adds work there).
+    forward_all_devices: bool
     # A 16-bit model dtype computes float32 activations with 16-bit products (no 16-bit
     # element-wise arithmetic on a CPU; bfloat16 products run on AMX / AVX512-BF16).
     half_products_only: bool
@@ -48,14 +51,15 @@ CPU = Profile(bucket_compile_steps=8.0, checkpoint_seconds=0.0, compile_workers=
               chunk_tokens=1024, chunk_min_steps=100, split_steps_per_bucket=500,
               split_objectives=("tinybert_intermediate",), cache_tokens=True,
               cache_tokens_epochs=2, cache_beside=True, forwards_in_flight=2,
-              forward_tokens=1024, half_products_only=True)
+              forward_tokens=1024, forward_all_devices=False,
+              half_products_only=True)
 # A GPU or TPU: a program compiles in ~2,000 steps' time, 200 steps take ~1.5 s against a
 # ~0.4 s save, and the teacher's forward in the step beats reading it from disk (H200).
 ACCELERATOR = Profile(bucket_compile_steps=2000.0, checkpoint_seconds=30.0, compile_workers=0,
                       chunk_tokens=0, chunk_min_steps=100, split_steps_per_bucket=0,
                       split_objectives=(), cache_tokens=False, cache_tokens_epochs=2,
                       cache_beside=False, forwards_in_flight=1, forward_tokens=0,
-                      half_products_only=False)
+                      forward_all_devices=True, half_products_only=False)
 
 
 def profile(backend: str) -> Profile:

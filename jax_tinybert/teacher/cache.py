@@ -311,7 +311,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
           batches: Iterable[Mapping[str, np.ndarray]], num_examples: int,
           num_rows: Optional[int] = None, token_fields: Sequence[str] = (),
           token_dtype: str = "float32", work_total: Optional[float] = None,
-          live=None) -> TeacherCache:
+          live=None, warn_missing: bool = True) -> TeacherCache:
     """Run `forward(params, ids, mask, types)` over `batches` and write the cache at `path`.
 
     batches: batch dicts (docs/design.md, "Batches") with `example_id` in [0, num_examples); rows with
@@ -324,6 +324,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
     percentage and ETA that follow the work rather than the examples (None: the examples).
     live: a `teacher_stream.Live` that readers of the rows written so far wait on (the build then
     runs beside the training steps); its stop flag ends the build between batches.
+    warn_missing=False: a part of a pass split over processes (teacher/split.py checks the whole).
     """
     expected = int(num_examples if num_rows is None else num_rows)
     path = fs.abspath(path)
@@ -368,7 +369,7 @@ def build(path: str, fingerprint: Mapping[str, Any], forward: Callable, params,
         if not files and not tokens.written:
             raise ValueError(f"teacher cache {path}: the batches held no valid rows")
         n_missing = int(expected - filled.sum())
-        if n_missing > 0:
+        if n_missing > 0 and warn_missing:
             log.warning("teacher cache %s: %d of %d examples not covered by the batches; "
                         "looking them up will fail", path, n_missing, expected)
         meta = _publish(tmp, path, files, filled, tokens, fingerprint, num_examples)
@@ -514,7 +515,8 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
                   batches: Union[Iterable, Callable[[], Iterable]], num_examples: int,
                   verify: bool = True, num_rows: Optional[int] = None,
                   token_fields: Sequence[str] = (), token_dtype: str = "float32",
-                  work_total: Optional[float] = None, live=None) -> TeacherCache:
+                  work_total: Optional[float] = None, live=None,
+                  warn_missing: bool = True) -> TeacherCache:
     """The cache at `path` if it was built from the same `fingerprint`, else (re)build it.
 
     fingerprint: what the outputs depend on, e.g. {"teacher": params_fingerprint(p),
@@ -540,7 +542,7 @@ def build_or_load(path: str, fingerprint: Mapping[str, Any], forward: Callable, 
     it = batches() if callable(batches) else batches
     return build(path, fingerprint, forward, params, it, num_examples, num_rows=num_rows,
                  token_fields=token_fields, token_dtype=token_dtype, work_total=work_total,
-                 live=live)
+                 live=live, warn_missing=warn_missing)
 
 
 def forwarded(forward: Callable, params, items: Iterable[Tuple[Mapping[str, Any], Any]],

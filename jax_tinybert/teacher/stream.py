@@ -206,7 +206,9 @@ class TokenCacheDrop:
 
     def _run(self, cache) -> None:
         try:
-            fs.rmtree(cache.path)
+            # A cache all the processes read (teacher/split.py) is removed by process 0 alone.
+            if not getattr(cache, "shared", False) or jax.process_index() == 0:
+                fs.rmtree(cache.path)
             if cache.local_dir != cache.path:
                 shutil.rmtree(cache.local_dir, ignore_errors=True)
             cache.close()   # the last maps of the deleted files: their pages are freed here

@@ -17,7 +17,8 @@ import numpy as np
 from jax_tinybert import fs, speed
 from jax_tinybert.config.check import ConfigValueError
 from jax_tinybert.data import batching, packing, tokenize
-from jax_tinybert.teacher import cache as teacher_cache
+from jax_tinybert.parallel import coordination
+from jax_tinybert.teacher import cache as teacher_cache, split as split_lib
 from jax_tinybert.teacher.cache import META, MODEL_KEYS, TeacherCache
 from jax_tinybert.teacher.fingerprint import (_normalise, arrays_fingerprint, dataset_fingerprint,
                                               params_fingerprint)
@@ -54,15 +55,17 @@ def teacher_model_id(teacher) -> str:
 def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: int = 64,
                        num_steps: Optional[int] = None,
                        token_dtype: Optional[str] = None, store=None, live=None,
-                       order: Optional[Iterable[Tuple[int, np.ndarray]]] = None) -> TeacherCache:
+                       order: Optional[Iterable[Tuple[int, np.ndarray]]] = None,
+                       split: str = "auto") -> TeacherCache:
     """The cache for a training run (called by `train.train_and_evaluate`).
 
     Covers the examples of `data.train_dataset` that the run's `num_steps` training steps read
     (`rows_to_cache`: all of them once num_steps is an epoch or more, or None): a run of fewer
     steps than an epoch of a large (e.g. augmented) train set forwards only the rows it will use. One
-    pass in dataset order, no dropped remainder. Each process builds its own copy (under
-    `cache/teacher_p<i>` when there are several): no collective is involved, and the workdir
-    need not be shared. token_dtype (float16 | float32): cache the
+    pass in dataset order, no dropped remainder. Several processes split the pass and all read
+    the one cache it makes (teacher/split.py) when the workdir is one they all see and split is
+    "auto"; else (split "never", or local workdirs on each host) each builds its own whole copy
+    under `cache/teacher_p<i>`. token_dtype (float16 | float32): cache the
     objective's per-token features (intermediate stage: attention logits, hidden states), each
     row at its bucket length, in that dtype. store: a `teacher_store.Store` (or None): an
     entry there that covers the rows is copied in instead of running the teacher, and what
@@ -83,7 +86,9 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
         fingerprint["rows"] = arrays_fingerprint(rows)
         log.info("teacher cache: %d steps read %d of %d train examples; caching those",
                  num_steps, len(rows), n)
-    name = "teacher" if jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
+    coord = coordination.Coordinator("teacher_cache")
+    shared = _split_pass(workdir, split, live, coord)
+    name = "teacher" if shared or jax.process_count() == 1 else f"teacher_p{jax.process_index()}"
     path = fs.join(workdir, "cache", name)
 
     def batches():   # asked for only when the cache is built here
@@ -103,17 +108,25 @@ def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: i
     # an intermediate build is the one a prediction or KD run looks for.
     share_fp = dict(fingerprint, layers=[] if token_fields else fingerprint["layers"],
                     num_examples=n)
-    if store is not None and not token_fields and not _is_current(path, fingerprint, n):
+    from_store = store is not None and not token_fields and not _is_current(path, fingerprint, n)
+    if shared:   # process 0's store, for all (another host may have none)
+        from_store = coord.from_process_0("1" if from_store else "0", "store") == "1"
+    if from_store:
         cache = _from_store(store, share_fp, fingerprint, path, rows, models, obj, data,
-                            batch_size)
+                            batch_size, coord if shared else None)
         if cache is not None:
             return cache
-    cache = teacher_cache.build_or_load(
-        path, fingerprint, forward, models.teacher_params, batches, n,
-        num_rows=None if rows is None else len(rows), token_fields=token_fields,
-        token_dtype=token_dtype or "float32",
-        work_total=teacher_cache.pass_work(lengths, buckets, plan), live=live)
-    if store is not None and cache.build_stats is not None:
+    kw = dict(num_rows=None if rows is None else len(rows), token_fields=token_fields,
+              token_dtype=token_dtype or "float32",
+              work_total=teacher_cache.pass_work(lengths, buckets, plan))
+    if shared:
+        cache = split_lib.build_shared(path, fingerprint, forward, models.teacher_params,
+                                       batches, n, coord, **kw)
+    else:
+        cache = teacher_cache.build_or_load(path, fingerprint, forward, models.teacher_params,
+                                            batches, n, live=live, **kw)
+    publishes = not shared or jax.process_index() == 0   # a shared cache: process 0's store
+    if store is not None and cache.build_stats is not None and publishes:
         store.publish(cache, share_fp, fields=["teacher_logits"] if token_fields else None)
     cache.fields = _step_fields(cache.fields, token_dtype)
     return cache
@@ -141,10 +154,35 @@ def _training_fingerprint(models, obj, data, token_dtype: Optional[str]) -> dict
     return fingerprint
 
 
+def _split_pass(workdir: str, split: str, live, coord) -> bool:
+    """Whether the processes of this run split one teacher pass (teacher/split.py), logged with
+    why on process 0. One process: no."""
+    if jax.process_count() == 1:
+        return False
+    if split == "never" or live is not None:
+        why = ("teacher.cache_split=never" if split == "never"
+               else "a build beside the steps reads only this process's rows")
+        shared = False
+    else:
+        shared, why = split_lib.shared_workdir(workdir, coord)
+    if jax.process_index() == 0:
+        log.info("teacher cache: %s (%s)", "one pass split over the %d processes, one cache "
+                 "all read" % jax.process_count() if shared else
+                 "each process forwards every row into its own copy", why)
+    return shared
+
+
 def _from_store(store, share_fp: dict, fingerprint: dict, path: str, rows, models, obj, data,
-                batch_size: int) -> Optional[TeacherCache]:
+                batch_size: int, coord=None) -> Optional[TeacherCache]:
     """The run's cache from a teacher store entry that covers its rows (the few it lacks
-    forwarded here), or None when the store has none."""
+    forwarded here), or None when the store has none. coord: several processes share `path`
+    (process 0 adopts the entry; the others open what it wrote)."""
+    if coord is not None:
+        cache = _from_store(store, share_fp, fingerprint, path, rows, models, obj, data,
+                            batch_size) if jax.process_index() == 0 else None
+        if coord.from_process_0("1" if cache else "0", "from_store") == "0":
+            return None
+        return split_lib.mark_shared(cache or TeacherCache(path, verify=False))
     ds, buckets = data.train_dataset, _train_buckets(data)
     need = np.arange(len(ds)) if rows is None else rows
     # An entry of a run with other buckets lacks a few rows (each bucket drops its own

@@ -36,9 +36,8 @@ from jax_tinybert.distill import objectives
 from jax_tinybert.parallel import sharding as shd
 from jax_tinybert.train import step as step_lib
 from jax_tinybert.teacher import cache as teacher_cache, store as teacher_store
-from jax_tinybert.teacher import training as teacher_training
-from jax_tinybert.teacher import fingerprint as teacher_fingerprint
-from jax_tinybert.teacher import stream as teacher_stream
+from jax_tinybert.teacher import (fingerprint as teacher_fingerprint, stream as teacher_stream,
+                                  training as teacher_training)
 from jax_tinybert.config.check import DTYPES, ConfigValueError, owned_by_a_run, record_speed
 from jax_tinybert.data import batching, corpus, glue, reader, synthetic, tokenize
 from jax_tinybert.model.hf import bert_params, load_pretrained, resolve_path
@@ -571,10 +570,12 @@ def build_run(config, workdir: str) -> Run:
             return teacher_training.build_for_training(models, obj, data, workdir, mesh,
                                                     num_steps=total, token_dtype=token_dtype,
                                                     store=teacher_store.from_env(), live=live,
-                                                    order=order)
+                                                    order=order, split=config.teacher.cache_split)
 
         def builder(beside: bool = False):
-            if not (beside and config.teacher.cache_build == "beside"):
+            # Several processes split one pass before the steps (a step may need any host's rows).
+            if not (beside and config.teacher.cache_build == "beside") or (
+                    jax.process_count() > 1 and config.teacher.cache_split != "never"):
                 return make()
             # The order of the steps left, read here, before the steps move the batcher on from
             # the run's (restored) position.
