@@ -386,3 +386,127 @@ def test_local_multiprocess_real_distillation_2x4(tmp_path_factory, tmp_path):
     assert (wd / "checkpoints" / "6").is_dir() and (wd / "summary.json").exists()
     export = wd / "export"
     assert (export / "config.json").exists() and (export / "flax_model.msgpack").exists()
+
+
+# --------------------------------------------------------------------------- surviving preemption
+# The launchers against stand-ins that record their calls and play the cloud or the cluster
+# (tests/helpers/launch_stubs.py): a slice preempted under a running command, a SLURM job
+# stopped at its time limit.
+
+UNTIL_DONE = ("--poll", "0.2", "--backoff", "0", "--log-upload", "1")
+
+
+def _until_done(tmp_path, plan, *extra, workers=2, wd="gs://bkt/runs/general", timeout=120):
+    from helpers import launch_stubs as S
+
+    stub_env, stub, gcs = S.tpu_cloud(tmp_path, plan, workers=workers)
+    env = _env(**TPU_ENV, **stub_env, TMPDIR=str(tmp_path))
+    try:
+        res = _run([LAUNCH / "tpu_vm.sh", "--spot", "run", "--until-done", *UNTIL_DONE, *extra,
+                    "configs/general_distill.py", f"--workdir={wd}", "--config.train.num_steps=6"],
+                   env=env, timeout=timeout)
+    finally:
+        S.kill_leftovers(stub)
+    return res, stub, gcs, S.calls(stub)
+
+
+def _verbs(calls):
+    """('tpu-vm', 'create') style pairs of the slice's lifecycle calls, in order."""
+    return [(c[2], c[3]) for c in calls if c[:2] == ["compute", "tpus"] and c[3] in ("create", "delete")]
+
+
+@pytest.mark.timeout(180)
+def test_tpu_until_done_recreates_a_preempted_slice_and_resumes_the_same_workdir(tmp_path):
+    res, stub, gcs, calls = _until_done(tmp_path, ["preempt", "done"])
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    # No slice at the start: created; preempted under attempt 1: deleted and created again.
+    assert _verbs(calls) == [("tpu-vm", "create"), ("tpu-vm", "delete"), ("tpu-vm", "create")], calls
+    creates = [c for c in calls if c[3:4] == ["create"]]
+    assert all("--spot" in c and "--accelerator-type=v4-32" in c for c in creates), creates
+    assert "TPU VM jtb-test is PREEMPTED: deleting it and creating it again" in res.stdout
+    assert "finished: gs://bkt/runs/general/summary.json exists (2 attempt(s)" in res.stdout
+    # Every start on every worker ran the same command, on the same workdir.
+    argvs = {(stub / f"argv-{n}-{w}").read_text() for n in (1, 2) for w in (0, 1)}
+    assert argvs == {"--config=configs/general_distill.py\n--workdir=gs://bkt/runs/general\n"
+                     "--config.train.num_steps=6\n"}, argvs
+    # The setup ran on each worker of each new slice (the venv the fake interpreter lives in).
+    assert (stub / "uv.log").read_text().count("uv venv") == 2 * 2
+    # Each worker's log of each attempt is in the bucket, the preempted ones to their last line.
+    logs = gcs / "bkt" / "runs" / "general" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == [
+        f"worker-{w}-attempt-{k}.log" for w in (0, 1) for k in (1, 2)]
+    for w in (0, 1):
+        first = (logs / f"worker-{w}-attempt-1.log").read_text()
+        assert f"worker {w}, start 1: preempt" in first and "preempted: saved step 3" in first, first
+        second = (logs / f"worker-{w}-attempt-2.log").read_text()
+        assert "resumed from step 3" in second and "step 6/6" in second, second
+    assert "attempt 1 ended: the TPU VM jtb-test was PREEMPTED" in res.stdout
+
+
+@pytest.mark.timeout(180)
+def test_tpu_until_done_queued_resource_waits_for_it_and_recreates_it(tmp_path):
+    res, stub, gcs, calls = _until_done(tmp_path, ["preempt", "done"], "--queued", workers=1)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert _verbs(calls) == [("queued-resources", "create"), ("queued-resources", "delete"),
+                             ("queued-resources", "create")], calls
+    assert "queued resource jtb-test-qr is WAITING_FOR_RESOURCES" in res.stdout
+    assert "queued resource jtb-test-qr is SUSPENDED: deleting it and creating it again" in res.stdout
+    delete = next(c for c in calls if c[2:4] == ["queued-resources", "delete"])
+    assert "--force" in delete and "jtb-test-qr" in delete
+    assert (gcs / "bkt" / "runs" / "general" / "logs" / "worker-0-attempt-2.log").exists()
+
+
+@pytest.mark.timeout(180)
+def test_tpu_until_done_gives_up_after_max_attempts_and_at_once_on_a_user_error(tmp_path):
+    res, stub, gcs, calls = _until_done(tmp_path / "a", ["crash", "crash", "done"], "--max-attempts", "2")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "gave up after 2 attempt(s) (--max-attempts 2) without gs://bkt/runs/general/summary.json" in res.stderr
+    assert "worker 0 exited 1 (failed)" in res.stderr and "Rerun the same command" in res.stderr
+    assert _verbs(calls) == [("tpu-vm", "create")]   # a crash on a READY slice: the same slice again
+    assert not (stub / "argv-3-0").exists()
+    # A mistake in the command stops at once: rerunning cannot fix it.
+    res, stub, gcs, calls = _until_done(tmp_path / "b", ["usererror", "done"])
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "exited 2 (a mistake in the command line, config or data)" in res.stderr
+    assert "rerunning cannot help" in res.stderr and not (stub / "argv-2-0").exists()
+    # Numbering goes on from the logs already in the bucket: a rerun's logs are attempt 2 and on.
+    res, stub, gcs, calls = _until_done(tmp_path / "c", ["done"], workers=1)
+    assert res.returncode == 0
+    from helpers import launch_stubs as S
+    stub_env, stub, gcs2 = S.tpu_cloud(tmp_path / "d", ["done"], workers=1)
+    shutil.copytree(gcs / "bkt", gcs2 / "bkt")
+    (gcs2 / "bkt" / "runs" / "general" / "summary.json").unlink()
+    res = _run([LAUNCH / "tpu_vm.sh", "run", "--until-done", *UNTIL_DONE, "configs/general_distill.py",
+                "--workdir=gs://bkt/runs/general"], env=_env(**TPU_ENV, **stub_env, TMPDIR=str(tmp_path)))
+    S.kill_leftovers(stub)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (gcs2 / "bkt" / "runs" / "general" / "logs" / "worker-0-attempt-2.log").exists()
+
+
+def test_tpu_until_done_finished_workdir_and_bad_workdirs(tmp_path):
+    from helpers import launch_stubs as S
+
+    stub_env, stub, gcs = S.tpu_cloud(tmp_path, [])
+    (gcs / "bkt" / "w").mkdir(parents=True)
+    (gcs / "bkt" / "w" / "summary.json").write_text("{}")
+    env = _env(**TPU_ENV, **stub_env)
+    res = _run([LAUNCH / "tpu_vm.sh", "run", "--until-done", "configs/a.py", "--workdir", "gs://bkt/w/"], env=env)
+    assert res.returncode == 0 and "finished: gs://bkt/w/summary.json exists (0 attempt(s)" in res.stdout
+    assert not _verbs(S.calls(stub))
+    for args, says in ((["--workdir=/mnt/gcs/w"], "is not a gs:// URL"), ([], "needs the program's --workdir")):
+        res = _run([LAUNCH / "tpu_vm.sh", "run", "--until-done", "configs/a.py", *args], env=env)
+        assert res.returncode == 2 and says in res.stderr, res.stderr
+    res = _run([LAUNCH / "tpu_vm.sh", "run", "--until-done", "--max-attempts", "0", "configs/a.py"], env=env)
+    assert res.returncode == 2 and "--max-attempts" in res.stderr
+
+
+def test_tpu_until_done_dry_run():
+    out = _tpu("run", "--until-done", "--run-id", "r", "--worker-setup", "gcsfuse b /mnt/b",
+               "configs/general_distill.py", "--workdir=gs://b/w")
+    assert "+ gcloud storage ls gs://b/w/summary.json" in out
+    assert f"+ gcloud compute tpus tpu-vm describe jtb-test {LOC} '--format=value(state)'" in out
+    assert "then on every worker: gcsfuse b /mnt/b" in out
+    assert "jtb-logs/r-attempt-1/worker-$W.log gs://b/w/logs/worker-$W-attempt-1.log 120 env" in out
+    assert "-m jax_tinybert.main --config=configs/general_distill.py --workdir=gs://b/w" in out
+    out = _tpu("--queued", "run", "--until-done", "configs/a.py", "--workdir=gs://b/w")
+    assert "queued-resources describe jtb-test-qr" in out and "value(state.state)" in out
