@@ -510,3 +510,92 @@ def test_tpu_until_done_dry_run():
     assert "-m jax_tinybert.main --config=configs/general_distill.py --workdir=gs://b/w" in out
     out = _tpu("--queued", "run", "--until-done", "configs/a.py", "--workdir=gs://b/w")
     assert "queued-resources describe jtb-test-qr" in out and "value(state.state)" in out
+
+
+SLURM_FAKE_RUN = r'''#!/usr/bin/env bash
+# One word per start from $STUB_DIR/plan: preempted (exit 143 after "saving"), done (summary.json,
+# exit 0), crash (exit 1), wait_term (runs until SIGTERM, then saves and exits 143).
+n=$(( $(cat "$STUB_DIR/starts" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$STUB_DIR/starts"
+mode=$(sed -n "${n}p" "$STUB_DIR/plan")
+shift 2   # -m jax_tinybert.main
+wd=""; for a in "$@"; do case "$a" in --workdir=*) wd="${a#--workdir=}" ;; esac; done
+echo "start $n: $mode, workdir $wd, task $SLURM_PROCID of $SLURM_NTASKS"
+case "$mode" in
+  preempted) mkdir -p "$wd/checkpoints/3"; echo "preempted: saved step 3"; exit 143 ;;
+  done) mkdir -p "$wd"; echo '{}' > "$wd/summary.json"; exit 0 ;;
+  crash) exit 1 ;;
+  wait_term)
+    trap 'echo "got SIGTERM" > "$STUB_DIR/got_term"; mkdir -p "$wd/checkpoints/5"; exit 143' TERM
+    touch "$STUB_DIR/started"
+    while :; do sleep 0.05; done ;;
+esac
+'''
+
+
+def _slurm_job(tmp_path, plan, **extra):
+    from helpers import launch_stubs as S
+
+    stub_env, stub = S.slurm_cluster(tmp_path)
+    fake = tmp_path / "fake_python"
+    fake.write_text(SLURM_FAKE_RUN)
+    fake.chmod(0o755)
+    (stub / "plan").write_text("".join(f"{m}\n" for m in plan))
+    env = _env(**stub_env, SLURM_JOB_ID="4242", PYTHON=str(fake), JTB_REPO=str(tmp_path),
+               JTB_LOG_DIR=str(tmp_path / "logs"), **extra)
+    return env, stub
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_slurm_requeues_a_preempted_run_and_not_a_finished_or_failed_one(tmp_path):
+    env, stub = _slurm_job(tmp_path, ["preempted", "done", "crash", "preempted", "preempted"])
+    wd = tmp_path / "wd"
+    args = [LAUNCH / "slurm.sbatch", "--config=configs/general_distill.py", f"--workdir={wd}"]
+    res = _run(args, env=env)                                       # 1: preempted -> requeued
+    assert res.returncode == 143, res.stdout + res.stderr
+    assert _lines(stub / "scontrol.log") == ["requeue 4242"]
+    assert "requeueing job 4242 (restart 1 of at most 20)" in res.stdout
+    res = _run(args, env={**env, "SLURM_RESTART_COUNT": "1"})       # 2: the requeued job finishes
+    assert res.returncode == 0 and "finished" in res.stdout, res.stdout + res.stderr
+    assert _lines(stub / "scontrol.log") == ["requeue 4242"]        # not requeued again
+    assert (tmp_path / "logs" / "4242" / "restart-1").is_dir()
+    res = _run(args, env=env)                                       # a finished workdir: no srun
+    assert res.returncode == 0 and "nothing to do" in res.stdout
+    assert len(_lines(stub / "srun.log")) == 2
+    # Another workdir: a crash is not requeued; a stop at the limit of restarts, or with
+    # JTB_REQUEUE=0, is not either.
+    args[-1] = f"--workdir={tmp_path / 'wd2'}"
+    res = _run(args, env=env)
+    assert res.returncode == 1 and "failed with exit status 1; not requeued" in res.stderr
+    res = _run(args, env={**env, "SLURM_RESTART_COUNT": "20"})
+    assert res.returncode == 143 and "has been requeued 20 times (JTB_MAX_REQUEUES=20)" in res.stderr
+    res = _run(args, env={**env, "JTB_REQUEUE": "0"})
+    assert res.returncode == 143 and "not requeued (JTB_REQUEUE=0)" in res.stdout
+    assert _lines(stub / "scontrol.log") == ["requeue 4242"]
+    assert all(l.startswith("--kill-on-bad-exit=1 --output=") for l in _lines(stub / "srun.log"))
+
+
+@pytest.mark.timeout(60)
+def test_slurm_forwards_sigterm_to_the_run_then_requeues(tmp_path):
+    import signal
+
+    env, stub = _slurm_job(tmp_path, ["wait_term"])
+    proc = subprocess.Popen(["bash", str(LAUNCH / "slurm.sbatch"), "--config=configs/a.py",
+                             f"--workdir={tmp_path / 'wd'}"], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (stub / "started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)    # what --signal=B:TERM@120 sends: the batch shell only
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out + err
+    assert (stub / "got_term").read_text() == "got SIGTERM\n"      # reached the run
+    assert (tmp_path / "wd" / "checkpoints" / "5").is_dir()
+    assert "passing it on to the run" in out and _lines(stub / "scontrol.log") == ["requeue 4242"]

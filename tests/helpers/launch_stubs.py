@@ -264,6 +264,8 @@ SRUN_SH = r'''#!/usr/bin/env bash
 # sent to "srun" reaches it, as srun forwards SIGTERM to its tasks.
 printf '%s\n' "$*" >> "$STUB_DIR/srun.log"
 while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
+# A one-task step, as srun describes it to its task (what JAX's SLURM detection reads).
+export SLURM_STEP_NODELIST="$(hostname)" SLURM_NTASKS=1 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0
 exec "$@"
 '''
 
