@@ -1,4 +1,5 @@
-"""Launch scripts (launch/*): shellcheck, --help, dry-run commands, fail-fast multi-process runs."""
+"""Launch scripts (launch/*): shellcheck, --help, dry-run commands, fail-fast multi-process runs,
+and runs that survive preemption (TPU `run --until-done`, SLURM requeueing) against stubs."""
 import os
 import pathlib
 import shutil
@@ -599,3 +600,40 @@ def test_slurm_forwards_sigterm_to_the_run_then_requeues(tmp_path):
     assert (stub / "got_term").read_text() == "got SIGTERM\n"      # reached the run
     assert (tmp_path / "wd" / "checkpoints" / "5").is_dir()
     assert "passing it on to the run" in out and _lines(stub / "scontrol.log") == ["requeue 4242"]
+
+
+@pytest.mark.timeout(300)
+def test_slurm_real_run_stopped_at_the_time_limit_is_requeued_and_resumes(tmp_path_factory, tmp_path):
+    """The real CLI (a tiny task distillation, tests/helpers/tiny_run.py, throttled by
+    tests/helpers/slow_main.py) under the batch script: SIGTERM to the batch shell mid-run, the
+    run saves and exits 143, the job is requeued; the requeued job resumes and finishes."""
+    import signal
+    from helpers import launch_stubs as S
+    from helpers import tiny_run as T
+
+    teacher, cache = T.shared_dirs(tmp_path_factory)
+    stub_env, stub = S.slurm_cluster(tmp_path)
+    python = tmp_path / "python"   # `-m jax_tinybert.main` through slow_main: same code path
+    python.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "-m jax_tinybert.main" ]; then shift 2; '
+                      f'exec {T.PYTHON} -m slow_main "$@"; fi\nexec {T.PYTHON} "$@"\n')
+    python.chmod(0o755)
+    env = T.env(**T.cache_env(cache), **stub_env, SLURM_JOB_ID="77", PYTHON=str(python),
+                JTB_REPO=str(REPO), JTB_LOG_DIR=str(tmp_path / "logs"), JTB_TEST_STEP_SLEEP="0.3",
+                PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'helpers'}")
+    wd = tmp_path / "wd"
+    args = ["bash", str(LAUNCH / "slurm.sbatch"), *T.train_args(wd, teacher, steps=12, checkpoint_every=100)]
+    log = tmp_path / "job1.out"
+    rc = T.signal_when(subprocess.Popen(args, env=env, cwd=REPO, stdout=open(log, "w"),
+                                        stderr=subprocess.STDOUT),
+                       lambda: "step      2/12" in log.read_text(), signal.SIGTERM, 240, "step 2")
+    out = log.read_text()
+    assert rc == 143, out[-3000:]
+    saved = T.saved_step(out)
+    assert 2 <= saved < 12 and T.checkpoint_done(wd, saved), out[-2000:]
+    assert _lines(stub / "scontrol.log") == ["requeue 77"] and not (wd / "summary.json").exists()
+    res = subprocess.run(args, env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=REPO,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out2 = res.stdout + res.stderr
+    assert f"resumed from step {saved}" in out2 and "step     12/12" in out2, out2[-3000:]
+    assert (wd / "summary.json").exists() and _lines(stub / "scontrol.log") == ["requeue 77"]
