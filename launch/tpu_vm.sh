@@ -298,21 +298,21 @@ do_setup() {  # copy (or clone) the checkout to every worker, then the venv and 
   if [[ -n "$GIT_URL" ]]; then
     branch=""
     if [[ -n "$GIT_REF" ]]; then branch="--branch $(printf '%q' "$GIT_REF") "; fi
-    tpu_ssh all "set -e; rm -rf $dir; git clone --depth 1 $branch$(printf '%q' "$GIT_URL") $dir"
+    tpu_ssh all "set -e; rm -rf $dir; git clone --depth 1 $branch$(printf '%q' "$GIT_URL") $dir" || return 1
   else
     if [[ -z "$STAGE_PARENT" ]]; then
       if [[ "$DRY_RUN" -eq 0 ]]; then
         STAGE_PARENT="$(mktemp -d "${TMPDIR:-/tmp}/jtb-stage-XXXXXX")"
-        trap 'rm -rf "$STAGE_PARENT"' EXIT
+        trap cleanup EXIT
       else
         STAGE_PARENT="${TMPDIR:-/tmp}/jtb-stage-XXXXXX"
       fi
     fi
     stage="$STAGE_PARENT/jax-tinybert"
     rm -rf "$stage"
-    stage_project "$stage"
-    tpu_ssh all "rm -rf $dir"
-    run gcloud compute tpus tpu-vm scp --worker=all --recurse "$stage" "$TPU_NAME:$REMOTE_DIR" "${LOC[@]}"
+    stage_project "$stage" || return 1
+    tpu_ssh all "rm -rf $dir" || return 1
+    run gcloud compute tpus tpu-vm scp --worker=all --recurse "$stage" "$TPU_NAME:$REMOTE_DIR" "${LOC[@]}" || return 1
   fi
   install="set -euo pipefail; export PATH=\"\$HOME/.local/bin:\$PATH\"
 command -v uv >/dev/null || python3 -m pip install --user --quiet uv || curl -LsSf https://astral.sh/uv/install.sh | sh
