@@ -1,4 +1,5 @@
-"""Launch scripts (launch/*): shellcheck, --help, dry-run commands, fail-fast multi-process runs."""
+"""Launch scripts (launch/*): shellcheck, --help, dry-run commands, fail-fast multi-process runs,
+and runs that survive preemption (TPU `run --until-done`, SLURM requeueing) against stubs."""
 import os
 import pathlib
 import shutil
@@ -386,3 +387,253 @@ def test_local_multiprocess_real_distillation_2x4(tmp_path_factory, tmp_path):
     assert (wd / "checkpoints" / "6").is_dir() and (wd / "summary.json").exists()
     export = wd / "export"
     assert (export / "config.json").exists() and (export / "flax_model.msgpack").exists()
+
+
+# --------------------------------------------------------------------------- surviving preemption
+# The launchers against stand-ins that record their calls and play the cloud or the cluster
+# (tests/helpers/launch_stubs.py): a slice preempted under a running command, a SLURM job
+# stopped at its time limit.
+
+UNTIL_DONE = ("--poll", "0.2", "--backoff", "0", "--log-upload", "1")
+
+
+def _until_done(tmp_path, plan, *extra, workers=2, wd="gs://bkt/runs/general", timeout=120):
+    from helpers import launch_stubs as S
+
+    stub_env, stub, gcs = S.tpu_cloud(tmp_path, plan, workers=workers)
+    env = _env(**TPU_ENV, **stub_env, TMPDIR=str(tmp_path))
+    try:
+        res = _run([LAUNCH / "tpu_vm.sh", "--spot", "run", "--until-done", *UNTIL_DONE, *extra,
+                    "configs/general_distill.py", f"--workdir={wd}", "--config.train.num_steps=6"],
+                   env=env, timeout=timeout)
+    finally:
+        S.kill_leftovers(stub)
+    return res, stub, gcs, S.calls(stub)
+
+
+def _verbs(calls):
+    """('tpu-vm', 'create') style pairs of the slice's lifecycle calls, in order."""
+    return [(c[2], c[3]) for c in calls if c[:2] == ["compute", "tpus"] and c[3] in ("create", "delete")]
+
+
+@pytest.mark.timeout(180)
+def test_tpu_until_done_recreates_a_preempted_slice_and_resumes_the_same_workdir(tmp_path):
+    res, stub, gcs, calls = _until_done(tmp_path, ["preempt", "done"])
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    # No slice at the start: created; preempted under attempt 1: deleted and created again.
+    assert _verbs(calls) == [("tpu-vm", "create"), ("tpu-vm", "delete"), ("tpu-vm", "create")], calls
+    creates = [c for c in calls if c[3:4] == ["create"]]
+    assert all("--spot" in c and "--accelerator-type=v4-32" in c for c in creates), creates
+    assert "TPU VM jtb-test is PREEMPTED: deleting it and creating it again" in res.stdout
+    assert "finished: gs://bkt/runs/general/summary.json exists (2 attempt(s)" in res.stdout
+    # Every start on every worker ran the same command, on the same workdir.
+    argvs = {(stub / f"argv-{n}-{w}").read_text() for n in (1, 2) for w in (0, 1)}
+    assert argvs == {"--config=configs/general_distill.py\n--workdir=gs://bkt/runs/general\n"
+                     "--config.train.num_steps=6\n"}, argvs
+    # The setup ran on each worker of each new slice (the venv the fake interpreter lives in).
+    assert (stub / "uv.log").read_text().count("uv venv") == 2 * 2
+    # Each worker's log of each attempt is in the bucket, the preempted ones to their last line.
+    logs = gcs / "bkt" / "runs" / "general" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == [
+        f"worker-{w}-attempt-{k}.log" for w in (0, 1) for k in (1, 2)]
+    for w in (0, 1):
+        first = (logs / f"worker-{w}-attempt-1.log").read_text()
+        assert f"worker {w}, start 1: preempt" in first and "preempted: saved step 3" in first, first
+        second = (logs / f"worker-{w}-attempt-2.log").read_text()
+        assert "resumed from step 3" in second and "step 6/6" in second, second
+    assert "attempt 1 ended: the TPU VM jtb-test was PREEMPTED" in res.stdout
+
+
+@pytest.mark.timeout(180)
+def test_tpu_until_done_queued_resource_waits_for_it_and_recreates_it(tmp_path):
+    res, stub, gcs, calls = _until_done(tmp_path, ["preempt", "done"], "--queued", workers=1)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert _verbs(calls) == [("queued-resources", "create"), ("queued-resources", "delete"),
+                             ("queued-resources", "create")], calls
+    assert "queued resource jtb-test-qr is WAITING_FOR_RESOURCES" in res.stdout
+    assert "queued resource jtb-test-qr is SUSPENDED: deleting it and creating it again" in res.stdout
+    delete = next(c for c in calls if c[2:4] == ["queued-resources", "delete"])
+    assert "--force" in delete and "jtb-test-qr" in delete
+    assert (gcs / "bkt" / "runs" / "general" / "logs" / "worker-0-attempt-2.log").exists()
+
+
+@pytest.mark.timeout(180)
+def test_tpu_until_done_gives_up_after_max_attempts_and_at_once_on_a_user_error(tmp_path):
+    res, stub, gcs, calls = _until_done(tmp_path / "a", ["crash", "crash", "done"], "--max-attempts", "2")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "gave up after 2 attempt(s) (--max-attempts 2) without gs://bkt/runs/general/summary.json" in res.stderr
+    assert "worker 0 exited 1 (failed)" in res.stderr and "Rerun the same command" in res.stderr
+    assert _verbs(calls) == [("tpu-vm", "create")]   # a crash on a READY slice: the same slice again
+    assert not (stub / "argv-3-0").exists()
+    # A mistake in the command stops at once: rerunning cannot fix it.
+    res, stub, gcs, calls = _until_done(tmp_path / "b", ["usererror", "done"])
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "exited 2 (a mistake in the command line, config or data)" in res.stderr
+    assert "rerunning cannot help" in res.stderr and not (stub / "argv-2-0").exists()
+    # Numbering goes on from the logs already in the bucket: a rerun's logs are attempt 2 and on.
+    res, stub, gcs, calls = _until_done(tmp_path / "c", ["done"], workers=1)
+    assert res.returncode == 0
+    from helpers import launch_stubs as S
+    stub_env, stub, gcs2 = S.tpu_cloud(tmp_path / "d", ["done"], workers=1)
+    shutil.copytree(gcs / "bkt", gcs2 / "bkt")
+    (gcs2 / "bkt" / "runs" / "general" / "summary.json").unlink()
+    res = _run([LAUNCH / "tpu_vm.sh", "run", "--until-done", *UNTIL_DONE, "configs/general_distill.py",
+                "--workdir=gs://bkt/runs/general"], env=_env(**TPU_ENV, **stub_env, TMPDIR=str(tmp_path)))
+    S.kill_leftovers(stub)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (gcs2 / "bkt" / "runs" / "general" / "logs" / "worker-0-attempt-2.log").exists()
+
+
+def test_tpu_until_done_finished_workdir_and_bad_workdirs(tmp_path):
+    from helpers import launch_stubs as S
+
+    stub_env, stub, gcs = S.tpu_cloud(tmp_path, [])
+    (gcs / "bkt" / "w").mkdir(parents=True)
+    (gcs / "bkt" / "w" / "summary.json").write_text("{}")
+    env = _env(**TPU_ENV, **stub_env)
+    res = _run([LAUNCH / "tpu_vm.sh", "run", "--until-done", "configs/a.py", "--workdir", "gs://bkt/w/"], env=env)
+    assert res.returncode == 0 and "finished: gs://bkt/w/summary.json exists (0 attempt(s)" in res.stdout
+    assert not _verbs(S.calls(stub))
+    for args, says in ((["--workdir=/mnt/gcs/w"], "is not a gs:// URL"), ([], "needs the program's --workdir")):
+        res = _run([LAUNCH / "tpu_vm.sh", "run", "--until-done", "configs/a.py", *args], env=env)
+        assert res.returncode == 2 and says in res.stderr, res.stderr
+    res = _run([LAUNCH / "tpu_vm.sh", "run", "--until-done", "--max-attempts", "0", "configs/a.py"], env=env)
+    assert res.returncode == 2 and "--max-attempts" in res.stderr
+
+
+def test_tpu_until_done_dry_run():
+    out = _tpu("run", "--until-done", "--run-id", "r", "--worker-setup", "gcsfuse b /mnt/b",
+               "configs/general_distill.py", "--workdir=gs://b/w")
+    assert "+ gcloud storage ls gs://b/w/summary.json" in out
+    assert f"+ gcloud compute tpus tpu-vm describe jtb-test {LOC} '--format=value(state)'" in out
+    assert "then on every worker: gcsfuse b /mnt/b" in out
+    assert "jtb-logs/r-attempt-1/worker-$W.log gs://b/w/logs/worker-$W-attempt-1.log 120 env" in out
+    assert "-m jax_tinybert.main --config=configs/general_distill.py --workdir=gs://b/w" in out
+    out = _tpu("--queued", "run", "--until-done", "configs/a.py", "--workdir=gs://b/w")
+    assert "queued-resources describe jtb-test-qr" in out and "value(state.state)" in out
+
+
+SLURM_FAKE_RUN = r'''#!/usr/bin/env bash
+# One word per start from $STUB_DIR/plan: preempted (exit 143 after "saving"), done (summary.json,
+# exit 0), crash (exit 1), wait_term (runs until SIGTERM, then saves and exits 143).
+n=$(( $(cat "$STUB_DIR/starts" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$STUB_DIR/starts"
+mode=$(sed -n "${n}p" "$STUB_DIR/plan")
+shift 2   # -m jax_tinybert.main
+wd=""; for a in "$@"; do case "$a" in --workdir=*) wd="${a#--workdir=}" ;; esac; done
+echo "start $n: $mode, workdir $wd, task $SLURM_PROCID of $SLURM_NTASKS"
+case "$mode" in
+  preempted) mkdir -p "$wd/checkpoints/3"; echo "preempted: saved step 3"; exit 143 ;;
+  done) mkdir -p "$wd"; echo '{}' > "$wd/summary.json"; exit 0 ;;
+  crash) exit 1 ;;
+  wait_term)
+    trap 'echo "got SIGTERM" > "$STUB_DIR/got_term"; mkdir -p "$wd/checkpoints/5"; exit 143' TERM
+    touch "$STUB_DIR/started"
+    while :; do sleep 0.05; done ;;
+esac
+'''
+
+
+def _slurm_job(tmp_path, plan, **extra):
+    from helpers import launch_stubs as S
+
+    stub_env, stub = S.slurm_cluster(tmp_path)
+    fake = tmp_path / "fake_python"
+    fake.write_text(SLURM_FAKE_RUN)
+    fake.chmod(0o755)
+    (stub / "plan").write_text("".join(f"{m}\n" for m in plan))
+    env = _env(**stub_env, SLURM_JOB_ID="4242", PYTHON=str(fake), JTB_REPO=str(tmp_path),
+               JTB_LOG_DIR=str(tmp_path / "logs"), **extra)
+    return env, stub
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_slurm_requeues_a_preempted_run_and_not_a_finished_or_failed_one(tmp_path):
+    env, stub = _slurm_job(tmp_path, ["preempted", "done", "crash", "preempted", "preempted"])
+    wd = tmp_path / "wd"
+    args = [LAUNCH / "slurm.sbatch", "--config=configs/general_distill.py", f"--workdir={wd}"]
+    res = _run(args, env=env)                                       # 1: preempted -> requeued
+    assert res.returncode == 143, res.stdout + res.stderr
+    assert _lines(stub / "scontrol.log") == ["requeue 4242"]
+    assert "requeueing job 4242 (restart 1 of at most 20)" in res.stdout
+    res = _run(args, env={**env, "SLURM_RESTART_COUNT": "1"})       # 2: the requeued job finishes
+    assert res.returncode == 0 and "finished" in res.stdout, res.stdout + res.stderr
+    assert _lines(stub / "scontrol.log") == ["requeue 4242"]        # not requeued again
+    assert (tmp_path / "logs" / "4242" / "restart-1").is_dir()
+    res = _run(args, env=env)                                       # a finished workdir: no srun
+    assert res.returncode == 0 and "nothing to do" in res.stdout
+    assert len(_lines(stub / "srun.log")) == 2
+    # Another workdir: a crash is not requeued; a stop at the limit of restarts, or with
+    # JTB_REQUEUE=0, is not either.
+    args[-1] = f"--workdir={tmp_path / 'wd2'}"
+    res = _run(args, env=env)
+    assert res.returncode == 1 and "failed with exit status 1; not requeued" in res.stderr
+    res = _run(args, env={**env, "SLURM_RESTART_COUNT": "20"})
+    assert res.returncode == 143 and "has been requeued 20 times (JTB_MAX_REQUEUES=20)" in res.stderr
+    res = _run(args, env={**env, "JTB_REQUEUE": "0"})
+    assert res.returncode == 143 and "not requeued (JTB_REQUEUE=0)" in res.stdout
+    assert _lines(stub / "scontrol.log") == ["requeue 4242"]
+    assert all(l.startswith("--kill-on-bad-exit=1 --output=") for l in _lines(stub / "srun.log"))
+
+
+@pytest.mark.timeout(60)
+def test_slurm_forwards_sigterm_to_the_run_then_requeues(tmp_path):
+    import signal
+
+    env, stub = _slurm_job(tmp_path, ["wait_term"])
+    proc = subprocess.Popen(["bash", str(LAUNCH / "slurm.sbatch"), "--config=configs/a.py",
+                             f"--workdir={tmp_path / 'wd'}"], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (stub / "started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)    # what --signal=B:TERM@120 sends: the batch shell only
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out + err
+    assert (stub / "got_term").read_text() == "got SIGTERM\n"      # reached the run
+    assert (tmp_path / "wd" / "checkpoints" / "5").is_dir()
+    assert "passing it on to the run" in out and _lines(stub / "scontrol.log") == ["requeue 4242"]
+
+
+@pytest.mark.timeout(300)
+def test_slurm_real_run_stopped_at_the_time_limit_is_requeued_and_resumes(tmp_path_factory, tmp_path):
+    """The real CLI (a tiny task distillation, tests/helpers/tiny_run.py, throttled by
+    tests/helpers/slow_main.py) under the batch script: SIGTERM to the batch shell mid-run, the
+    run saves and exits 143, the job is requeued; the requeued job resumes and finishes."""
+    import signal
+    from helpers import launch_stubs as S
+    from helpers import tiny_run as T
+
+    teacher, cache = T.shared_dirs(tmp_path_factory)
+    stub_env, stub = S.slurm_cluster(tmp_path)
+    python = tmp_path / "python"   # `-m jax_tinybert.main` through slow_main: same code path
+    python.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "-m jax_tinybert.main" ]; then shift 2; '
+                      f'exec {T.PYTHON} -m slow_main "$@"; fi\nexec {T.PYTHON} "$@"\n')
+    python.chmod(0o755)
+    env = T.env(**T.cache_env(cache), **stub_env, SLURM_JOB_ID="77", PYTHON=str(python),
+                JTB_REPO=str(REPO), JTB_LOG_DIR=str(tmp_path / "logs"), JTB_TEST_STEP_SLEEP="0.3",
+                PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'helpers'}")
+    wd = tmp_path / "wd"
+    args = ["bash", str(LAUNCH / "slurm.sbatch"), *T.train_args(wd, teacher, steps=12, checkpoint_every=100)]
+    log = tmp_path / "job1.out"
+    rc = T.signal_when(subprocess.Popen(args, env=env, cwd=REPO, stdout=open(log, "w"),
+                                        stderr=subprocess.STDOUT),
+                       lambda: "step      2/12" in log.read_text(), signal.SIGTERM, 240, "step 2")
+    out = log.read_text()
+    assert rc == 143, out[-3000:]
+    saved = T.saved_step(out)
+    assert 2 <= saved < 12 and T.checkpoint_done(wd, saved), out[-2000:]
+    assert _lines(stub / "scontrol.log") == ["requeue 77"] and not (wd / "summary.json").exists()
+    res = subprocess.run(args, env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=REPO,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out2 = res.stdout + res.stderr
+    assert f"resumed from step {saved}" in out2 and "step     12/12" in out2, out2[-3000:]
+    assert (wd / "summary.json").exists() and _lines(stub / "scontrol.log") == ["requeue 77"]
