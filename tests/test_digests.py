@@ -277,3 +277,19 @@ def test_two_processes_on_a_bucket_process_0_checks_both_restore_one_step(emulat
     # Step 2 (damaged) and step 1: process 0 read each one's digests.json, process 1 none.
     assert (r0["digest_reads"], r1["digest_reads"]) == (2, 0), (r0, r1)
     assert any(o.startswith("corrupt_2/") for o in gcs_emulator.objects(f"{root}/run/checkpoints"))
+
+
+def test_the_benchmark_runs_and_records(tmp_path):
+    """benchmarks/checkpoint_digests.py end to end on a small state (wiring, not speed)."""
+    env = dict(os.environ, JTB_RESULTS_DIR=str(tmp_path), JTB_MACHINE_KIND="cpu-test",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_digests.py"),
+                        "--models", "tinybert4", "--scale", "0.05", "--repeats", "1",
+                        "--record"], env=env, cwd=REPO, capture_output=True, text=True,
+                       timeout=SUB_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kept = json.loads((tmp_path / "checkpoint_digests-cpu-test.json").read_text())
+    before, now = kept["rows"]
+    assert "before" in before["path"] and "now" in now["path"]
+    assert before["restore_MB_read"] > 0.5 * before["state_MB"] > 10
+    assert now["save_MB_read"] < 0.1 and now["restore_MB_read"] < 0.1, now
