@@ -497,7 +497,13 @@ for step in range(1, 50):
     if pid == 1 and step == 6:
         os.kill(os.getpid(), signal.SIGTERM)    # preemption notice on one host only
 ref = host(st)
+# Only process 0 reads the files to check their digests (the other checks their sizes).
+from jax_tinybert import fs as jtb_fs
+real_open, opened = jtb_fs.open_file, []
+jtb_fs.open_file = lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1]
 restored = c.restore_latest(abstract_like(st))
+jtb_fs.open_file = real_open
+data_reads = sum("/state/" in p for p in opened)
 rstep, rst, rmeta = restored
 k = rst.params["student"]["dense"]["kernel"]
 same_sharding = all(a.sharding == b.sharding for a, b in
@@ -527,15 +533,16 @@ c.wait()
 if pid == 1:
     from jax_tinybert.train import digests as checkpoint_digests
     real_verify = checkpoint_digests.verify
-    checkpoint_digests.verify = lambda d: ("simulated damage" if str(d).endswith("/9")
-                                           else real_verify(d))
+    checkpoint_digests.verify = lambda d, **kw: ("simulated damage" if str(d).endswith("/9")
+                                                 else real_verify(d, **kw))
 ostep = c.restore_latest(abstract_like(st))[0]
 one_host = dict(step=ostep, moved=os.path.isdir(os.path.join(workdir, "checkpoints",
                                                                  "corrupt_9")))
 c.close()
 print("RESULT " + json.dumps(dict(stop_step=stop_step, rstep=rstep, meta=rmeta, equal=equal,
       same_sharding=same_sharding, checksum=checksum, steps=steps,
-      preempted=pre.received, fallback=fallback, one_host=one_host)), flush=True)
+      preempted=pre.received, fallback=fallback, one_host=one_host,
+      data_reads=data_reads)), flush=True)
 jax.distributed.shutdown()
 """
     port = _free_port()
@@ -571,6 +578,7 @@ jax.distributed.shutdown()
         assert r["equal"] and r["same_sharding"]
         assert r["steps"] == [4, 8]
     assert r0["checksum"] == r1["checksum"]
+    assert r0["data_reads"] > 0 and r1["data_reads"] == 0, (r0["data_reads"], r1["data_reads"])
     for r in results:
         assert r["fallback"] == dict(step=4, meta={"step": 4, "pid_independent": True},
                                      equal=True, steps=[4], moved=True)

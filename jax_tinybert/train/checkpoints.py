@@ -3,7 +3,8 @@
 Layout under `workdir`::
 
     workdir/checkpoints/<step>/{state,meta}/   the last `max_to_keep` periodic saves
-    workdir/checkpoints/<step>/digests.json    SHA-256 of every file of the step
+    workdir/checkpoints/<step>/digests.json    a digest of every file of the step (SHA-256;
+                                              on gs:// the store's CRC32C)
     workdir/checkpoints/corrupt_<step>/        a save found damaged or unreadable, moved aside
     workdir/best/<step>/{state,meta,metrics}/  the best save by a dev metric (kept apart, so
                                               pruning of the periodic saves never touches it)
@@ -38,8 +39,9 @@ shape/dtype/sharding are used). The sharding given is the one the arrays are res
 so a state saved on 8 devices restores onto 1 device or onto another mesh.
 
 Returned values: `restore_latest` / `restore_best` -> `(step, state, meta)` or `None` when
-there is no (intact) checkpoint. Every file of a step is checked against the SHA-256 digests
-written when it was saved (checkpoint_digests.py), on every process, before orbax reads it:
+there is no (intact) checkpoint. Every file of a step is checked against the digests written
+when it was saved (digests.py), by process 0 (the others check that each file is there with
+its size on a local disk), before orbax reads it; the verdicts are OR-ed over processes:
 a damaged step (even one that would decode) or one orbax cannot read is skipped by all
 processes with a `logging.warning` naming it and moved to `corrupt_<step>`; if no checkpoint
 can be read and some failure was orbax's own, nothing readable is moved and the newest error
@@ -239,7 +241,7 @@ class Checkpointer:
         return mngr
 
     def _save(self, mngr, step: int, args, **kw) -> bool:
-        """mngr.save, with the step's files hashed into digests.json once written; the other
+        """mngr.save, with the step's files digested into digests.json once written; the other
         manager's save in flight finished first."""
         # One save in flight at a time over both managers. The best and the periodic save of
         # an evaluated step, at once, ran their multi-host barriers from two threads under one
@@ -266,7 +268,7 @@ class Checkpointer:
         if not saved:
             digester.discard(step)
         elif not self._async:
-            # Sync save: the step is final already; hash it now (process 0, shared files).
+            # Sync save: the step is final already; digest it now (process 0, shared files).
             digester.discard(step)
             if jax.process_index() == 0:
                 digests.write(mngr.directory / str(step))
@@ -489,9 +491,16 @@ class Checkpointer:
         return step, r["state"], meta
 
     def _verify(self, mngr, step) -> str | None:
-        """None if the step's files match the digests written at save time, else the problem."""
+        """None if the step's files match the digests written at save time, else the problem.
+
+        Process 0 checks the contents; the others only what is cheap (each file there, with its
+        size, on a local disk: a host whose view of a shared disk differs), not on a bucket,
+        which every host sees alike, so that 16 hosts do not each read a 1.3 GB step."""
         step_dir = mngr.directory / str(step)
-        problem = digests.verify(step_dir)
+        first = jax.process_index() == 0
+        if not first and fs.is_remote(os.fspath(step_dir)):
+            return None
+        problem = digests.verify(step_dir, content=first)
         if problem != f"no {digests.DIGESTS}":
             return problem
         # No digests.json: damage if the step's meta says it was written with them; else a
@@ -510,9 +519,10 @@ class Checkpointer:
     def _restore_first_good(self, mngr, steps, abstract_state):
         """Newest step of `steps` intact and readable on every process, or None / raise.
 
-        For each candidate, each process hashes the files and the results are OR-ed over
-        processes (so a damage seen by one host only still moves everyone to the same older
-        step, before orbax's collective restore could hang on it); then orbax restores.
+        For each candidate, process 0 checks the files' digests (the others their presence
+        and sizes, see _verify) and the results are OR-ed over processes (so a damage seen by
+        one host only still moves everyone to the same older step, before orbax's collective
+        restore could hang on it); then orbax restores.
         Damaged steps (digest mismatch) are always moved aside; steps orbax cannot read only
         once an older one restored (a changed state structure fails every step that way).
         """

@@ -127,3 +127,47 @@ def objects(url: str) -> list:
 
     fsys, p = fs.url_fs(url)
     return sorted(x[len(p) + 1:] for x in fsys.find(p))
+
+
+class Requests:
+    """What this process's gcsfs asked the store for, while `counting()` ran."""
+
+    def __init__(self):
+        self.reads: list = []      # (object name, bytes received) of each object download
+        self.listings = 0          # object listings (GET .../o?prefix=...)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(n for _, n in self.reads)
+
+    def names(self) -> list:
+        return [name for name, _ in self.reads]
+
+
+@contextlib.contextmanager
+def counting():
+    """Counts the HTTP requests of this process's gcsfs (what etils.epath and jax_tinybert.fs
+    use for gs://; tensorstore's own reads of array data are not seen): object downloads with
+    their sizes, and listings. Yields a `Requests`."""
+    import urllib.parse
+
+    import gcsfs.core
+
+    real = gcsfs.core.GCSFileSystem._request
+    seen = Requests()
+
+    async def request(self, method, path, *args, **kwargs):
+        out = await real(self, method, path, *args, **kwargs)
+        url = str(path)
+        if method.upper() == "GET" and "alt=media" in url and "/o/" in url:
+            name = urllib.parse.unquote(url.split("/o/", 1)[1].split("?", 1)[0])
+            seen.reads.append((name, len(out[3])))
+        elif method.upper() == "GET" and url.rstrip("/").endswith("/o"):
+            seen.listings += 1
+        return out
+
+    gcsfs.core.GCSFileSystem._request = request
+    try:
+        yield seen
+    finally:
+        gcsfs.core.GCSFileSystem._request = real
