@@ -36,8 +36,8 @@ def _args(wd, teacher, glue, rows, steps, split):
             f"--config.teacher.path={teacher}", f"--config.data.glue_dir={glue}",
             f"--config.data.train_subset={rows}", f"--config.train.num_steps={steps}",
             "--config.student.init=random", "--config.student.num_hidden_layers=1",
-            "--config.student.hidden_size=32", "--config.student.intermediate_size=64",
-            "--config.student.num_attention_heads=4", "--config.teacher.cache_tokens=always",
+            "--config.student.hidden_size=48", "--config.student.intermediate_size=96",
+            "--config.student.num_attention_heads=12", "--config.teacher.cache_tokens=always",
             "--config.teacher.cache_build=before", f"--config.teacher.cache_split={split}",
             f"--config.train.log_every={steps}", f"--config.train.checkpoint_every={steps}",
             "--config.export.enabled=False"]
