@@ -5,13 +5,15 @@ synthetic corpus is written to and read from the bucket, results.json lands ther
 A tiny random teacher and a 1-layer d-16 student, a few steps a stage. The run is preempted
 (SIGTERM) during the third stage, after its first checkpoint; the rerun skips the two finished
 stages (their objects are not rewritten: same generations, no new checkpoint), resumes the
-third from its checkpoint and finishes.
+third from its checkpoint and finishes. In the multihost tier, 2 processes run it and rerun it
+with process 1 blind to the stages' summary.json: both skip what process 0 found done.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -94,3 +96,60 @@ def test_demo_pipeline_in_a_bucket_preempted_in_stage_3_and_resumed(tmp_path_fac
         assert results["teacher"] == _read_json(f"{wd}/teacher/summary.json")["best"]
         assert results["student_params"] < results["teacher_params"]
         assert not any("tmp-" in n for n in gcs_emulator.objects(wd))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(args, env, out_dir, tag, timeout=240):
+    """2 processes x 1 CPU device of one job (tests/helpers/multihost_main.py) -> their logs;
+    both killed when they outlast `timeout` (processes that disagree on a stage wait forever)."""
+    port = _free_port()
+    logs = [out_dir / f"{tag}_p{i}.log" for i in range(2)]
+    procs = [subprocess.Popen([T.PYTHON, "-m", "multihost_main", *args],
+                              env=dict(env, JTB_COORDINATOR=f"127.0.0.1:{port}",
+                                       JTB_NUM_PROCESSES="2", JTB_PROCESS_ID=str(i),
+                                       JTB_CPU_DEVICES="1"),
+                              cwd=REPO, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
+               for i in range(2)]
+    try:
+        rcs = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = [log.read_text() for log in logs]
+    assert rcs == [0, 0], "\n".join(o[-2000:] for o in out)
+    return out
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(600)
+def test_every_process_skips_the_stages_process_0_found_done(tmp_path_factory, tmp_path):
+    """2 processes over gs://: the whole demo, then a rerun where process 1 sees no stage's
+    summary.json (as a host whose disk lacks another's files): both skip all four stages
+    (process 1 on its own would train the first one alone and wait forever for process 0)."""
+    teacher = T.tiny_teacher(tmp_path_factory.getbasetemp() / "tiny_teacher_2way", num_labels=2)
+    _, cache = T.shared_dirs(tmp_path_factory)
+    with gcs_emulator.running() as emu:
+        wd = f"gs://{emu.bucket}/runs/demo_mp"
+        env = T.env(**T.cache_env(cache), **emu.env,
+                    PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'helpers'}")
+        first = _job(_args(wd, teacher), env, tmp_path, "first")
+        assert "results.json" in gcs_emulator.objects(wd)
+        assert first[0].count("##### stage") == 4 and "already done" not in first[0]
+        assert "=== jax-tinybert demo" in first[0] and "=== jax-tinybert demo" not in first[1]
+        done = _generations(wd)
+        again = _job(_args(wd, teacher), dict(env, JTB_TEST_NO_SUMMARY="1"), tmp_path, "again",
+                     timeout=90)
+        assert again[0].count("already done") == 4, again[0][-3000:]
+        # Only process 0 prints; process 1 trained nothing (no stage of its own).
+        assert "already done" not in again[1] and "##### stage" not in again[1]
+        assert "=== jax-tinybert demo" not in again[1]
+        now = _generations(wd)
+        changed = {k for k in done if now.get(k) != done[k]}
+        assert changed == {"results.json"}, sorted(changed)[:20]
