@@ -27,7 +27,7 @@ REPO = T.REPO
 STEPS = dict(teacher=4, general=4, intermediate=6, pred=4)
 
 
-def _args(wd, teacher):
+def _args(wd, teacher, extra=()):
     return ["--config=configs/demo.py", f"--workdir={wd}", f"--config.teacher.path={teacher}",
             "--config.data.kind=synthetic", "--config.data.synthetic_train=256",
             "--config.data.synthetic_eval=16", "--config.data.max_len=16",
@@ -35,7 +35,7 @@ def _args(wd, teacher):
             "--config.student.hidden_size=16", "--config.student.intermediate_size=32",
             "--config.student.num_attention_heads=4", "--config.train.batch_size=8",
             "--config.train.checkpoint_every=2", "--config.train.log_every=1",
-            *(f"--config.demo_steps.{k}={v}" for k, v in STEPS.items())]
+            *(f"--config.demo_steps.{k}={v}" for k, v in STEPS.items()), *extra]
 
 
 def _generations(url: str) -> dict:
@@ -63,7 +63,10 @@ def test_demo_pipeline_in_a_bucket_preempted_in_stage_3_and_resumed(tmp_path_fac
         env = T.env(**T.cache_env(cache), **emu.env, JTB_TEST_STEP_SLEEP="0.2",
                     PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'helpers'}")
         log = tmp_path / "first.log"
-        proc = subprocess.Popen([T.PYTHON, "-m", "slow_main", *_args(wd, teacher)], env=env,
+        # Each stage's step 1 traced too (train/hosts.py), into the bucket.
+        args = _args(wd, teacher, ("--config.train.profile_start=1",
+                                   "--config.train.profile_steps=1"))
+        proc = subprocess.Popen([T.PYTHON, "-m", "slow_main", *args], env=env,
                                 cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         rc = T.signal_when(
             proc, lambda: "intermediate/checkpoints/2/commit_success.txt" in
@@ -76,7 +79,7 @@ def test_demo_pipeline_in_a_bucket_preempted_in_stage_3_and_resumed(tmp_path_fac
         assert "general/export/config.json" in names and "results.json" not in names
         before = {s: _generations(f"{wd}/{s}") for s in ("teacher", "general")}
 
-        res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *_args(wd, teacher)], env=env,
+        res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *args], env=env,
                              cwd=REPO, capture_output=True, text=True, timeout=200)
         out = res.stdout + res.stderr
         assert res.returncode == 0, out[-3000:]
@@ -95,7 +98,11 @@ def test_demo_pipeline_in_a_bucket_preempted_in_stage_3_and_resumed(tmp_path_fac
         assert results["student"] == _read_json(f"{wd}/pred/summary.json")["best"]
         assert results["teacher"] == _read_json(f"{wd}/teacher/summary.json")["best"]
         assert results["student_params"] < results["teacher_params"]
-        assert not any("tmp-" in n for n in gcs_emulator.objects(wd))
+        names = gcs_emulator.objects(wd)
+        assert not any("tmp-" in n for n in names)
+        for s in STEPS:
+            assert any(n.startswith(f"{s}/profile/host0/plugins/profile/") and
+                       n.endswith(".xplane.pb") for n in names), s
 
 
 def _free_port() -> int:

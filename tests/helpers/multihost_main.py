@@ -10,6 +10,8 @@ JTB_TEST_UNREADABLE=P:S[,...]: on process P orbax fails to read periodic step S 
   that host only; the digests are intact).
 JTB_TEST_NO_SUMMARY=P[,P...]: process P sees no summary.json anywhere (fs.exists says False,
   as on a host whose disk lacks what another host wrote): a finished stage looks unfinished there.
+JTB_TEST_SLOW_INPUT=P:S: process P sleeps S seconds in each next() of its task batcher (a host
+  whose input pipeline is slow: the straggler of tests/test_hosts.py).
 JTB_TEST_ROWS_OUT=DIR: every corpus batch a process reads is appended to DIR/rows_p<i>.jsonl as
   {"step": global step, "rows": its example ids} (the rows each host read, for the tests).
 """
@@ -88,6 +90,21 @@ if os.environ.get("JTB_TEST_NO_SUMMARY"):
         return _exists(path)
 
     fs.exists = exists
+
+if os.environ.get("JTB_TEST_SLOW_INPUT"):
+    import time
+
+    from jax_tinybert.data import batching
+
+    _who, _s = os.environ["JTB_TEST_SLOW_INPUT"].split(":")
+    _slow_next = batching.BucketedBatcher.__next__
+
+    def slow_next(self):
+        if int(os.environ.get("JTB_PROCESS_ID", "0")) == int(_who):
+            time.sleep(float(_s))
+        return _slow_next(self)
+
+    batching.BucketedBatcher.__next__ = slow_next
 
 if os.environ.get("JTB_TEST_ROWS_OUT"):
     import json
