@@ -142,7 +142,8 @@ def _run_demo(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "stage": "task_distill", "objective.name": "tinybert_pred",
         "teacher.path": d("teacher/export"), "student.init": "pretrained",
         "student.path": d("intermediate/export"), "optim.learning_rate": lr["pred"],
-        "train.num_steps": steps["pred"], "train.eval_every": steps["pred"] // 2}), d("pred"), coord)
+        "train.num_steps": steps["pred"], "train.eval_every": steps["pred"] // 2}),
+        d("pred"), coord)
     if jax.process_index() != 0:
         return {}
     t_ms = inference_ms(d("teacher/export"), seq_len=config.data.max_len)

@@ -52,7 +52,8 @@ class StepProfiler:
 
     def __init__(self, config, workdir: str, start_step: int):
         tc = config.train
-        self.first, self.last = int(tc.profile_start), int(tc.profile_start) + int(tc.profile_steps) - 1
+        self.first = int(tc.profile_start)
+        self.last = self.first + int(tc.profile_steps) - 1
         self.out = fs.join(workdir, "profile", f"host{jax.process_index()}")
         self.begin = max(self.first, start_step + 1)
         self.on = self.first > 0 and self.begin <= self.last
