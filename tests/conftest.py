@@ -68,7 +68,7 @@ LONGEST_FIRST = (
     "test_benchmarks_e2e.py", "test_multiprocess.py", "test_step.py", "test_train.py",
     "test_chunks.py", "test_modeling.py", "test_teacher_store.py", "test_plan.py",
     "test_teacher_cache.py", "test_precompile.py", "test_launch.py", "test_optim.py",
-    "test_gcs_workdir.py", "test_checkpoints.py",
+    "test_gcs_workdir.py", "test_gcs_pipeline.py", "test_checkpoints.py",
 )
 
 

@@ -20,7 +20,9 @@ STAGE_HELP = {
     "task_distill": "TinyBERT stage 2: intermediate layers, then the prediction layer, on a task",
     "pkd": "Patient KD: a student cut from the teacher's layers, CE + KD + patience",
     "kd": "Hinton KD on the teacher's logits",
-    "demo": "the whole recipe in minutes on a CPU (teacher, general, task distillation, table)",
+    "demo": "the whole recipe in minutes on a CPU (teacher, general, task distillation, table) "
+            "as one command; each stage in its own <workdir>/<stage> (local or gs://), a "
+            "finished one skipped on rerun",
     "mlm_head": "fit a masked-LM head on an encoder that has none (for data augmentation)",
 }
 
@@ -115,7 +117,8 @@ def text(prog: str = "jax-tinybert") -> str:
     out += [
         "",
         "other flags:",
-        "  --workdir=DIR       checkpoints, metrics, TensorBoard, summary.json and the export",
+        "  --workdir=DIR       checkpoints, metrics, TensorBoard, summary.json and the export:",
+        "                      a local folder or a bucket (gs://bucket/run, every stage)",
         "  --verbose           full tracebacks for every error (user mistakes print one line)",
         "  --coordinator=HOST:PORT --num_processes=N --process_id=I   multi-process runs",
         "  --cluster=auto|none|gcetpu|gketpu|slurm|ompi|...   without --coordinator: how the",

@@ -86,7 +86,8 @@ from jax_tinybert.errors import EXIT_USER_ERROR, UserError, is_disk_full, one_li
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/demo.py "
                                 "or configs/task_distill.py:sst2_pred", lock_config=True)
-flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the export.")
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the export: a "
+                    "local folder or a bucket (gs://bucket/run), for every stage and the demo.")
 flags.DEFINE_string("coordinator", None, "host:port of process 0 for multi-process runs.")
 flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-process run.")
 flags.DEFINE_integer("process_id", None, "This process's index (0-based).")
@@ -170,10 +171,6 @@ def main(argv):
     config = build.with_defaults(config)
     # Every field's range, before anything is written (the demo's stages check again).
     config_check.validate_config(config)
-    if config.stage == "demo" and fs.is_remote(FLAGS.workdir):
-        raise UserError(f"--workdir={FLAGS.workdir}: the demo needs a local workdir (each stage "
-                        "loads the previous stage's export from it); run the stages one by one "
-                        "with gs:// workdirs, or pass a local folder")
     logging.getLogger("jax_tinybert").info("allocator: %s", malloc.allocator())
     note = xla_flags.backend_note(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
     if note:

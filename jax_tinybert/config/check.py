@@ -16,8 +16,7 @@ import ml_collections
 import numpy as np
 
 from jax_tinybert.config import schema as config_base
-from jax_tinybert import speed
-from jax_tinybert import fs, optim
+from jax_tinybert import fs, optim, speed
 from jax_tinybert.distill import layer_maps, losses, objectives
 from jax_tinybert.data import glue
 from jax_tinybert.errors import PathError, UserError
@@ -28,6 +27,7 @@ NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_eve
                     "train.max_to_keep", "train.eval_batch_size", "export.enabled",
                     "data.cache_dir", "mesh.teacher", "data.corpus_memory_tokens",
                     "data.read_threads", "data.prefetch", "data.read_workers", "teacher.cache_split",
+                    "train.profile_start", "train.profile_steps",
                     # how fast, not what: a workdir made on one backend resumes on another
                     *speed.SPEED_FIELDS}
 # Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may
@@ -112,8 +112,7 @@ NUMERIC_RULES = {
     "optim.eps": (_POS, "Adam's denominator epsilon"),
     "optim.clip_norm": (_NONNEG, "0 = no clipping"),
     "optim.grad_clip_per_tensor": (_NONNEG, "0 = no clipping"),
-    "train.batch_size": (_GE1, ""),
-    "train.grad_accum": (_GE1, ""),
+    "train.batch_size": (_GE1, ""), "train.grad_accum": (_GE1, ""),
     "train.per_device_batch": (_NONNEG, "0 = use train.batch_size as the global batch"),
     "train.eval_batch_size": (_GE1, ""),
     "train.num_steps": (_NONNEG, "0 = train for config.train.num_epochs epochs"),
@@ -126,6 +125,8 @@ NUMERIC_RULES = {
     "train.max_to_keep": (_GE1, "periodic checkpoints kept"),
     "train.seed": (_NONNEG, ""),
     "train.compile_workers": (_NONNEG, "0 = auto: 1 on CPU, one per 4 host cores on a GPU/TPU"),
+    "train.profile_start": (_NONNEG, "the first train step traced by jax.profiler, 0 = none"),
+    "train.profile_steps": (_GE1, "how many train steps the trace covers"),
     "train.chunk_tokens": (("-1 (auto) or >= 0", lambda v: v == -1 or v >= 0),
                            "tokens per forward chunk of the train step, 0 = whole batches"),
     "objective.temperature": (_POS, "the softmax temperature of the soft labels"),
@@ -150,8 +151,7 @@ NUMERIC_RULES = {
     "student.intermediate_size": (_GE1, ""),
     "student.num_attention_heads": (_GE1, ""),
     "mesh.data": (("-1 (all devices) or >= 1", lambda v: v == -1 or v >= 1), ""),
-    "mesh.fsdp": (_GE1, ""),
-    "mesh.model": (_GE1, ""),
+    "mesh.fsdp": (_GE1, ""), "mesh.model": (_GE1, ""),
     "mesh.fsdp_min_size": (_NONNEG, ""),
     "teacher.cache_max_gb": (("> 0", lambda v: v > 0), "GB the per-token teacher cache may use"),
 }

@@ -164,6 +164,10 @@ def _train() -> ml_collections.ConfigDict:
         # Its threads: 0 = auto (1 on CPU, where the cores train; on an accelerator one per 4
         # host cores, at most 4, so a second bucket's program does not stall the epoch).
         compile_workers=0,
+        # A jax.profiler trace of train steps profile_start .. profile_start + profile_steps - 1
+        # (numbered as the step lines are) on every host, into <workdir>/profile/host<i>
+        # (train/hosts.py). 0 = no trace.
+        profile_start=0, profile_steps=5,
         # The step's forwards in row chunks of at most this many tokens (0 = whole batches):
         # -1 = auto, 1,024 on one CPU device in runs of >= 100 steps per length bucket, which
         # repay the longer compilation; none on accelerators.

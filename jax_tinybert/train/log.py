@@ -11,6 +11,7 @@ import jax
 
 from jax_tinybert.errors import UserError
 from jax_tinybert.progress import fmt_time
+from jax_tinybert.train.hosts import HostTimes
 from jax_tinybert.train.metrics_writer import MetricsWriter
 
 _PRINTED = set()
@@ -51,6 +52,7 @@ class TrainLog:
         self.t_last, self.examples, self.tokens = time.time(), 0, 0
         self.last: Dict[str, float] = {}
         self.eta = StepEta(run.total_steps)
+        self.hosts = HostTimes()   # fed the input waits by the loop; gathered at the records
 
     def step(self, step: int, batch, metrics) -> None:
         tc, total = self.run.config.train, self.run.total_steps
@@ -78,6 +80,8 @@ class TrainLog:
                   f"lr={m['lr']:.2e} {m['examples_per_s']:.1f} ex/s"
                   + (f", ETA {fmt_time(eta)}" if eta is not None and step < total else ""),
                   flush=True)
+        if record:   # the same steps on every process: it gathers from all of them
+            self.hosts.record(step, self.writer)
 
 
 class StepEta:

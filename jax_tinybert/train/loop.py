@@ -31,7 +31,7 @@ from jax_tinybert.parallel import sharding as shd
 from jax_tinybert.speed import dtypes as speed_dtypes
 from jax_tinybert.speed import precompile
 from jax_tinybert.teacher import stream as teacher_stream
-from jax_tinybert.train import build, workdir_lock
+from jax_tinybert.train import build, hosts, workdir_lock
 from jax_tinybert.train import step as step_lib
 from jax_tinybert.train.checkpoints import Checkpointer, check_free_space
 from jax_tinybert.train.evaluate import best_params, evaluate, export, exports_best
@@ -170,24 +170,34 @@ def _train(run: build.Run, ckpt: Checkpointer, state, start: int, train_step, ev
                     "(train.checkpoint_seconds); a preemption saves its step regardless",
                     config.train.checkpoint_every, save_timer.min_seconds)
     step = start
-    while step < run.total_steps:
-        batch = next(run.data.train_batches)
-        state, metrics = train_step(state, run.teacher_params, _feed(run, batch))
-        step += 1
-        log.step(step, batch, metrics)
-        meta = {"data": run.data.train_batches.state_dict(), "best": seg.best,
-                "config_fingerprint": fingerprint, "inputs": seg.inputs,
-                "history": {"eval_history": seg.history, "last_train": log.last,
-                            "wall_s": seg.wall_s()}}
-        if run.evaluates and (step % eval_every == 0 or step == run.total_steps):
-            ev = evaluate(eval_step, state.params["student"], run.data, run.mesh)
-            improved = ckpt.is_better(ev["main"])   # the one definition of "best"
-            seg.best = meta["best"] = record_eval(step, ev, seg.best, improved, writer,
-                                                  seg.history)
-            if improved:
-                ckpt.save_best(step, state, meta, ev["main"])
-        _save_and_maybe_stop(config, ckpt, preemption, writer, step, run.total_steps,
-                             state, metrics, meta, workdir, save_timer)
+    profiler = hosts.StepProfiler(config, workdir, start)
+    try:
+        while step < run.total_steps:
+            profiler.before(step + 1)
+            with profiler.annotate(step + 1):
+                t = time.perf_counter()
+                batch = next(run.data.train_batches)
+                fed = _feed(run, batch)
+                log.hosts.waited(time.perf_counter() - t)   # the wait for its batch: read + feed
+                state, metrics = train_step(state, run.teacher_params, fed)
+            step += 1
+            profiler.after(step, metrics["loss"])
+            log.step(step, batch, metrics)
+            meta = {"data": run.data.train_batches.state_dict(), "best": seg.best,
+                    "config_fingerprint": fingerprint, "inputs": seg.inputs,
+                    "history": {"eval_history": seg.history, "last_train": log.last,
+                                "wall_s": seg.wall_s()}}
+            if run.evaluates and (step % eval_every == 0 or step == run.total_steps):
+                ev = evaluate(eval_step, state.params["student"], run.data, run.mesh)
+                improved = ckpt.is_better(ev["main"])   # the one definition of "best"
+                seg.best = meta["best"] = record_eval(step, ev, seg.best, improved, writer,
+                                                      seg.history)
+                if improved:
+                    ckpt.save_best(step, state, meta, ev["main"])
+            _save_and_maybe_stop(config, ckpt, preemption, writer, step, run.total_steps,
+                                 state, metrics, meta, workdir, save_timer)
+    finally:
+        profiler.close()   # a trace still running when the run stops is kept
     return step, state
 
 

@@ -8,6 +8,10 @@ JTB_TEST_DAMAGED_VIEW=P:S[,P:S...]: process P sees periodic step S as damaged (i
   fails there only, as with a stale cache on one host).
 JTB_TEST_UNREADABLE=P:S[,...]: on process P orbax fails to read periodic step S (an I/O error on
   that host only; the digests are intact).
+JTB_TEST_NO_SUMMARY=P[,P...]: process P sees no summary.json anywhere (fs.exists says False,
+  as on a host whose disk lacks what another host wrote): a finished stage looks unfinished there.
+JTB_TEST_SLOW_INPUT=P:S: process P sleeps S seconds in each next() of its task batcher (a host
+  whose input pipeline is slow: the straggler of tests/test_hosts.py).
 JTB_TEST_ROWS_OUT=DIR: every corpus batch a process reads is appended to DIR/rows_p<i>.jsonl as
   {"step": global step, "rows": its example ids} (the rows each host read, for the tests).
 """
@@ -70,6 +74,37 @@ if _steps("JTB_TEST_UNREADABLE"):
         return _restore(self, directory, *args, **kwargs)
 
     ocp.PyTreeCheckpointHandler.restore = restore
+
+if os.environ.get("JTB_TEST_NO_SUMMARY"):
+    from jax_tinybert import fs
+
+    _blind, _exists = {int(p) for p in os.environ["JTB_TEST_NO_SUMMARY"].split(",")}, fs.exists
+
+    # The process id from the env: fs.exists runs before jax.distributed starts (the workdir
+    # check), and jax.process_index() there would start the backend too early.
+    _me = int(os.environ.get("JTB_PROCESS_ID", "0"))
+
+    def exists(path):
+        if _me in _blind and os.fspath(path).endswith("/summary.json"):
+            return False
+        return _exists(path)
+
+    fs.exists = exists
+
+if os.environ.get("JTB_TEST_SLOW_INPUT"):
+    import time
+
+    from jax_tinybert.data import batching
+
+    _who, _s = os.environ["JTB_TEST_SLOW_INPUT"].split(":")
+    _slow_next = batching.BucketedBatcher.__next__
+
+    def slow_next(self):
+        if int(os.environ.get("JTB_PROCESS_ID", "0")) == int(_who):
+            time.sleep(float(_s))
+        return _slow_next(self)
+
+    batching.BucketedBatcher.__next__ = slow_next
 
 if os.environ.get("JTB_TEST_ROWS_OUT"):
     import json
