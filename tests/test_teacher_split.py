@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from jax_tinybert.teacher import cache as tc, split
 from jax_tinybert.teacher import training as tt
 
+from helpers import gcs_emulator
 from helpers import tiny_run as T
 from test_teacher_cache import _intermediate, small  # noqa: F401  (the fixture)
 
@@ -46,6 +48,32 @@ def test_parts_joined_equal_the_one_process_pass_row_for_row(tmp_path, small, P)
             assert set(a) == set(b) == {"teacher_attn", "teacher_hidden", "teacher_logits"}
             for k in a:
                 np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} at T={T_}")
+
+
+@pytest.mark.skipif(gcs_emulator.available() is not None, reason=str(gcs_emulator.available()))
+def test_parts_in_a_bucket_are_joined_there_and_removed(small):
+    """A gs:// workdir (GCS emulator): parts uploaded, joined by process 0 from its downloads,
+    the cache published to the bucket and the parts deleted there; opened from the bucket it
+    equals the one-process pass."""
+    obj, models, _, _ = _intermediate(small)
+    forward = tt._training_forward(models, obj, "float16")
+    batches = list(tt._row_batches(small.ds, None, (16, 32, 64), 4))
+    fp = dict(small.fp, num_examples=len(small.ds))
+    with gcs_emulator.running() as emu:
+        root = f"gs://{emu.bucket}/t-{uuid.uuid4().hex[:8]}/cache"
+        whole = _build(f"{root}/whole", small, forward, iter(batches), small.fp)
+        for p in range(2):
+            _build(f"{root}/teacher.parts-of-2/part-{p}", small, forward,
+                   split._share(batches, p, 2), dict(fp, part=[p, 2]), warn_missing=False).close()
+        local = split.join(f"{root}/teacher.parts-of-2", 2, f"{root}/teacher", fp, len(small.ds))
+        names = {o.split("/")[0] for o in gcs_emulator.objects(root)}
+        assert names == {"whole", "teacher"}, names
+        assert local and os.path.exists(os.path.join(local, "meta.json"))
+        joined = tc.open_cache(f"{root}/teacher", fp, verify=True)   # downloaded anew
+        rows = np.flatnonzero(np.asarray(whole.token_index)[:, 0] == 32)
+        a, b = joined.lookup(rows, seq_len=32), whole.lookup(rows, seq_len=32)
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 def test_a_share_is_every_pth_batch_and_none_when_there_is_none():
