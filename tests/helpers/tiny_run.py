@@ -247,13 +247,15 @@ def read_tb(tb_dir):
 # results: left out when comparing a resumed run with an unbroken one.
 _TIMING_KEYS = ("time", "wall_s", "flops_this_segment")
 _TIMING_SUFFIXES = ("examples_per_s", "tokens_per_s")
+# The teacher pass's statistics, and each host's step time and input wait (train/hosts.py).
+_TIMING_PREFIXES = ("teacher_cache/", "hosts/")
 
 
 def _timeless(d):
     if isinstance(d, dict):
         return {k: _timeless(v) for k, v in d.items()
                 if k not in _TIMING_KEYS and not k.endswith(_TIMING_SUFFIXES)
-                and not k.startswith("teacher_cache/")}
+                and not k.startswith(_TIMING_PREFIXES)}
     if isinstance(d, list):
         return [_timeless(v) for v in d]
     return d
@@ -268,7 +270,7 @@ def outputs(workdir):
     recs = [r for r in recs if set(r) != {"step"}]       # a timing-only record
     n_tb, scalars = read_tb(wd / "tb")
     scalars = [s for s in scalars if not s[1].endswith(_TIMING_SUFFIXES)
-               and not s[1].startswith("teacher_cache/")]
+               and not s[1].startswith(_TIMING_PREFIXES)]
     summary = _timeless(json.loads((wd / "summary.json").read_text()))
     return {"metrics": recs, "tb_files": n_tb, "tb": scalars, "summary": summary}
 
