@@ -221,10 +221,10 @@ def validate_config(config: ml_collections.ConfigDict, paths: bool = True) -> No
             glue.get_task(config.data.task)
         except KeyError as e:
             raise ConfigValueError(f"config.data.task: {e}") from e
-    if config.data.kind == "corpus" and config.objective.name != "tinybert_intermediate":
+    if config.data.kind == "corpus" and config.objective.name not in objectives.INTERMEDIATE:
         raise ConfigValueError(f"config.data.kind='corpus' has no labels; objective "
-                               f"{config.objective.name!r} needs labelled task data "
-                               "(use tinybert_intermediate for general distillation)")
+                               f"{config.objective.name!r} needs labelled task data (use one of "
+                               f"{objectives.INTERMEDIATE} for general distillation)")
     if config.objective.name == "tinybert_intermediate" and objectives.kl_without_masking(
             config.objective.to_dict()):
         raise ConfigValueError(

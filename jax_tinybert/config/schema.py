@@ -58,7 +58,8 @@ def _objective() -> ml_collections.ConfigDict:
         w_attn=_default(float), w_hidn=_default(float), w_pred=_default(float),
         layer_weights=(),            # lambda_m per student layer 0..M; () = all 1
         regression_target=_default(str), attn_loss=_default(str), hidn_loss=_default(str),
-        kd_loss=_default(str), probability_shift=_default(bool)))
+        kd_loss=_default(str), probability_shift=_default(bool),
+        teacher_layer=_default(int), relation_heads=_default(int)))
 
 
 def _teacher() -> ml_collections.ConfigDict:

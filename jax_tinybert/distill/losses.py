@@ -364,8 +364,94 @@ def patience_loss(s_cls: Array, t_cls: Array, normalize: bool = True, mode: str 
     return round_f16(loss)
 
 
+# ----------------------------------------------------------------------------- MiniLM
+
+def _relation_log_softmax(a: Array, b: Array, attention_mask: Array) -> Array:
+    """log softmax_keys(a b^T / sqrt(d)) over real keys: a, b [B, H, T, d] -> [B, H, T, T]."""
+    scores = jnp.einsum("bhqd,bhkd->bhqk", a, b) / jnp.sqrt(jnp.asarray(a.shape[-1], a.dtype))
+    return _masked_log_softmax(scores, attention_mask)
+
+
+def _relation_kl(s_log: Array, t_log: Array, attention_mask: Array,
+                 valid: Optional[Array]) -> Array:
+    """KL(teacher || student) per real query row, [B, H, T, T] log-distributions over real keys;
+    mean over relation heads and real query rows (rows weighted by `valid`). A scalar."""
+    B, H = s_log.shape[:2]
+    m = jnp.asarray(attention_mask).astype(s_log.dtype)
+    keys = m[:, None, None, :] > 0
+    kl_rows = jnp.sum(jnp.where(keys, jnp.exp(t_log) * (t_log - s_log), 0.0), axis=-1)
+    rows = (_weights(valid, B, s_log.dtype)[:, None] * m)[:, None, :]  # [B, 1, T]
+    return _safe_div(jnp.sum(rows * kl_rows), H * jnp.sum(rows))
+
+
+def _check_relation_inputs(name: str, attention_mask, *xs) -> None:
+    if jnp.ndim(attention_mask) != 2:
+        raise ValueError(f"{name}: attention_mask must be [B, T] (packed rows' [B, T, T] masks "
+                         f"are not supported), got shape {jnp.shape(attention_mask)}")
+    for x in xs:
+        if x.ndim != 4:
+            raise ValueError(f"{name}: q, k, v must be [B, H, T, d_head], got shape {x.shape}")
+
+
+def minilm_loss(s_qkv, t_qkv, attention_mask: Array, valid: Optional[Array] = None):
+    """MiniLM (Wang et al. 2020, eqs. 5-7): L_AT + L_VR of one student and one teacher layer.
+
+    s_qkv, t_qkv: (q, k, v), each [B, H, T, d_head] (q unscaled); d_head may differ between
+    the two, H may not (the relations are compared per head). attention_mask [B, T]; valid [B]
+    or None. L_AT = KL(teacher || student) of softmax(q k^T / sqrt(d_head)), L_VR the same of
+    softmax(v v^T / sqrt(d_head)); each a mean over heads and real query rows, keys over real
+    tokens only. Returns (L_AT + L_VR, {"at": L_AT, "vr": L_VR}), scalars.
+    """
+    (sq, sk, sv), (tq, tk, tv) = [tuple(_f(x) for x in qkv) for qkv in (s_qkv, t_qkv)]
+    _check_relation_inputs("minilm_loss", attention_mask, sq, sk, sv, tq, tk, tv)
+    if sq.shape[1] != tq.shape[1]:
+        raise ValueError(f"minilm_loss: student has {sq.shape[1]} attention heads, teacher "
+                         f"{tq.shape[1]}; MiniLM v1 compares per head: give the student "
+                         "the teacher's head count or use objective minilmv2")
+    at = _relation_kl(_relation_log_softmax(sq, sk, attention_mask),
+                      _relation_log_softmax(tq, tk, attention_mask), attention_mask, valid)
+    vr = _relation_kl(_relation_log_softmax(sv, sv, attention_mask),
+                      _relation_log_softmax(tv, tv, attention_mask), attention_mask, valid)
+    return at + vr, {"at": at, "vr": vr}
+
+
+def split_relation_heads(x: Array, relation_heads: int) -> Array:
+    """[B, H, T, d_head] -> concatenated heads [B, T, H * d_head] -> [B, A_r, T, H * d_head / A_r]
+    (MiniLMv2's relation heads). The width must divide by relation_heads."""
+    B, H, T, d = x.shape
+    if (H * d) % relation_heads:
+        raise ValueError(f"split_relation_heads: width {H * d} does not divide into "
+                         f"{relation_heads} relation heads")
+    flat = x.transpose(0, 2, 1, 3).reshape(B, T, H * d)
+    return flat.reshape(B, T, relation_heads, H * d // relation_heads).transpose(0, 2, 1, 3)
+
+
+def minilmv2_loss(s_qkv, t_qkv, attention_mask: Array, relation_heads: int,
+                  valid: Optional[Array] = None):
+    """MiniLMv2 (Wang et al. 2021, eqs. 1-4): self-attention relation distillation.
+
+    s_qkv, t_qkv: (q, k, v), each [B, H, T, d_head] (q unscaled); student and teacher may
+    differ in H and d_head, each width H * d_head must divide by `relation_heads` (A_r).
+    For X in {Q, K, V}: the heads concatenated and re-split into A_r heads of width d_r, the
+    relation R = softmax(X X^T / sqrt(d_r)) over real keys; the loss is the sum over QQ, KK, VV
+    of KL(R_teacher || R_student), each a mean over the A_r heads and real query rows.
+    attention_mask [B, T]; valid [B] or None.
+    Returns (L_QQ + L_KK + L_VV, {"qq": L_QQ, "kk": L_KK, "vv": L_VV}), scalars.
+    """
+    s_qkv, t_qkv = [tuple(_f(x) for x in qkv) for qkv in (s_qkv, t_qkv)]
+    _check_relation_inputs("minilmv2_loss", attention_mask, *s_qkv, *t_qkv)
+    terms = {}
+    for name, s, t in zip(("qq", "kk", "vv"), s_qkv, t_qkv):
+        s, t = split_relation_heads(s, relation_heads), split_relation_heads(t, relation_heads)
+        terms[name] = _relation_kl(_relation_log_softmax(s, s, attention_mask),
+                                   _relation_log_softmax(t, t, attention_mask),
+                                   attention_mask, valid)
+    return terms["qq"] + terms["kk"] + terms["vv"], terms
+
+
 __all__ = [
     "MODES", "check_mode", "init_dense", "project", "attention_mse", "attention_kl",
     "hidden_mse", "embedding_mse", "cosine_hidden_loss", "soft_cross_entropy", "kl_divergence",
-    "cross_entropy", "regression_mse", "round_f16", "patience_loss",
+    "cross_entropy", "regression_mse", "round_f16", "patience_loss", "minilm_loss",
+    "minilmv2_loss", "split_relation_heads",
 ]

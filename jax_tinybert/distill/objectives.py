@@ -15,6 +15,8 @@ A new objective is a subclass with `@register` (see docs/design.md).
 - pkd: (1 - alpha) CE + alpha KD + beta PT, PT on [CLS] of the mapped student layers.
 - kd: Hinton, (1 - alpha) CE + alpha KD (regression: MSE to gold and to the teacher).
 - finetune: CE (MSE for regression) on gold labels; no teacher.
+- minilm: MiniLM's L_AT + L_VR, teacher layer -> the student's last (equal head counts).
+- minilmv2: MiniLMv2's QQ + KK + VV relation KL over `relation_heads` relation heads.
 """
 from __future__ import annotations
 
@@ -25,48 +27,18 @@ import jax
 import jax.numpy as jnp
 
 from jax_tinybert.distill import layer_maps as lm
+from jax_tinybert.distill.cfg_keys import CFG_KEYS
 from jax_tinybert.distill import losses as L
 from jax_tinybert.errors import UserError
 
 Array = jax.Array
 
-# Every key a stage's objective cfg may hold. A key an objective does not use is ignored, so a
-# config can share one block across stages; a misspelt key is an error.
-CFG_KEYS = {
-    "mode": "'masked' (padding never counts) or 'tinybert' (official reductions)",
-    "temperature": "softmax temperature of the soft-label terms",
-    "alpha": "pkd/kd: weight of the KD term; the hard-label term gets 1 - alpha",
-    "beta": "pkd: weight of the patience term (masked mode sums over K layers x D units, "
-            "tinybert mode averages: beta_masked = beta_tinybert / (K * D))",
-    "t2": "multiply soft-label terms by temperature^2",
-    "layer_map": f"one of {lm.NAMES} or explicit (student, teacher) pairs",
-    "projection": "'shared' (one fit_dense, as official), 'per_layer' or 'none'",
-    "w_embd": "tinybert_intermediate: weight of the embedding term",
-    "w_attn": "tinybert_intermediate: weight of the attention terms",
-    "w_hidn": "tinybert_intermediate: weight of the hidden-state terms",
-    "attn_loss": "tinybert_intermediate: the attention terms' loss, 'mse' (TinyBERT: MSE of the "
-                 "raw scores) or 'kl' (KL(teacher || student) of the attention distributions "
-                 "over real keys, TextBrewer's attention_ce / MiniLM's; masked mode only)",
-    "hidn_loss": "tinybert_intermediate: the embedding and hidden-state terms' loss, 'mse' "
-                 "(TinyBERT) or 'cosine' (1 - cos per token, DistilBERT's / TextBrewer's cos)",
-    "kd_loss": "tinybert_pred, kd, pkd on classification: the soft-label term, 'ce' (the "
-               "prediction stage's soft CE, KD's and PKD's KL) or 'mse' (MSE of the logits / T, "
-               "x T^2 with t2: TextBrewer's kd_mse, Ba & Caruana's logit regression)",
-    "probability_shift": "tinybert_pred, kd, pkd on classification: swap the teacher's largest "
-                         "logit with the gold label's where they differ, so the soft targets "
-                         "peak at the gold label (TextBrewer's probability_shift)",
-    "w_pred": "tinybert_pred: weight of the prediction term",
-    "normalize_patience": "pkd: L2-normalise [CLS] vectors before the patience MSE",
-    "layer_weights": "tinybert_intermediate: lambda_m per student layer 0..M (default all 1)",
-    "regression_target": "tinybert_pred on regression: 'teacher' (clean) or 'gold' (official "
-                         "STS-B bug, tinybert mode only)",
-}
-
 _COMMON = {"mode": "masked", "temperature": 1.0, "alpha": 0.5, "beta": 0.0, "t2": False,
            "layer_map": "uniform", "projection": "shared", "w_embd": 1.0, "w_attn": 1.0,
            "w_hidn": 1.0, "w_pred": 1.0, "normalize_patience": True, "layer_weights": None,
            "regression_target": "teacher", "attn_loss": "mse", "hidn_loss": "mse",
-           "kd_loss": "ce", "probability_shift": False}
+           "kd_loss": "ce", "probability_shift": False, "teacher_layer": None,
+           "relation_heads": None}
 PROJECTIONS = ("shared", "per_layer", "none")
 ATTN_LOSSES = {"mse": L.attention_mse, "kl": L.attention_kl}
 HIDN_LOSSES = {"mse": L.hidden_mse, "cosine": L.cosine_hidden_loss}
@@ -152,6 +124,9 @@ class Objective:
     teacher_token_cacheable: bool = False
     compares_logits: ClassVar[bool] = False
     reads_tokens: ClassVar[bool] = True
+    # Reads intermediate layers only (no labels, no logits): runs on an unlabelled corpus and
+    # trains no classifier, so its stage has no dev metrics.
+    intermediate: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, student_config, teacher_config=None):
         self.cfg = _resolve_cfg(self.name, self.defaults, cfg)
@@ -162,6 +137,9 @@ class Objective:
         self.student_attention_layers: Tuple[int, ...] = ()
         self.teacher_attention_layers: Tuple[int, ...] = ()
         self.teacher_cls_layers: Tuple[int, ...] = ()
+        # 1-based layers whose q, k, v [B, H, T, d_head] the models must return (qkv_layers=).
+        self.student_qkv_layers: Tuple[int, ...] = ()
+        self.teacher_qkv_layers: Tuple[int, ...] = ()
         self._attn_pairs: Tuple[Tuple[int, int], ...] = ()
         self._hidden_pairs: Tuple[Tuple[int, int], ...] = ()
         self._proj_layers: Tuple[int, ...] = ()
@@ -311,6 +289,7 @@ class TinyBertIntermediate(Objective):
     name = "tinybert_intermediate"
     defaults = dict(_COMMON)
     teacher_token_cacheable = True
+    intermediate = True
 
     def setup(self) -> None:
         c = self.cfg
@@ -520,7 +499,80 @@ class Finetune(Objective):
         return v, {"ce": v}
 
 
+class _SelfAttentionRelations(Objective):
+    """MiniLM / MiniLMv2: relations of one teacher layer's q, k, v (cfg teacher_layer, default
+    the last) to the student's last layer's; the teacher runs in the step (no cache)."""
+    intermediate = True
+
+    def setup(self) -> None:
+        c, n_t = self.cfg, self.teacher_config.num_hidden_layers
+        if self.mode != "masked":
+            raise ObjectiveConfigError(f"objective '{self.name}' has no official TinyBERT "
+                                       "reduction; pass --config.objective.mode=masked")
+        t = n_t if c["teacher_layer"] is None else c["teacher_layer"]
+        if not (isinstance(t, int) and 1 <= t <= n_t):
+            raise ObjectiveConfigError(f"objective '{self.name}': objective.teacher_layer={t!r}; "
+                                       f"expected a teacher layer in 1..{n_t}")
+        c["teacher_layer"] = t
+        self.teacher_qkv_layers = (t,)
+        self.student_qkv_layers = (self.student_config.num_hidden_layers,)
+
+    def _pair(self, s_out, t_out):
+        s, t = s_out.qkv, t_out.qkv
+        if s is None or t is None or s[-1] is None or t[self.cfg["teacher_layer"] - 1] is None:
+            raise ValueError(f"objective '{self.name}' needs q, k, v: apply the models with "
+                             "qkv_layers=obj.student_qkv_layers / obj.teacher_qkv_layers")
+        return s[-1], t[self.cfg["teacher_layer"] - 1]
+
+
+@register
+class MiniLM(_SelfAttentionRelations):
+    """MiniLM (Wang et al. 2020): attention-distribution + value-relation KL, equal heads."""
+    name = "minilm"
+    defaults = dict(_COMMON)
+
+    def setup(self) -> None:
+        super().setup()
+        hs, ht = self.student_config.num_attention_heads, self.teacher_config.num_attention_heads
+        if hs != ht:
+            raise ObjectiveConfigError(
+                f"objective 'minilm': student num_attention_heads={hs} != teacher's {ht}; MiniLM "
+                "compares per head: give the student the teacher's head count or use minilmv2")
+
+    def loss(self, proj, s_out, t_out, batch):
+        return L.minilm_loss(*self._pair(s_out, t_out), batch["attention_mask"],
+                             valid=batch.get("valid"))
+
+
+@register
+class MiniLMv2(_SelfAttentionRelations):
+    """MiniLMv2 (Wang et al. 2021): Q-Q, K-K and V-V relation KL over relation heads."""
+    name = "minilmv2"
+    defaults = dict(_COMMON)
+
+    def setup(self) -> None:
+        super().setup()
+        ds, tc = self.student_config.hidden_size, self.teacher_config
+        heads = self.cfg["relation_heads"]
+        if heads is None:   # the paper: 12 for base-size teachers, 64 for large ones
+            heads = 64 if tc.hidden_size >= 1024 else tc.num_attention_heads
+        if not (isinstance(heads, int) and heads >= 1 and ds % heads == 0
+                and tc.hidden_size % heads == 0):
+            ok = [a for a in range(1, min(ds, tc.hidden_size) + 1)
+                  if ds % a == 0 and tc.hidden_size % a == 0]
+            raise ObjectiveConfigError(
+                f"objective 'minilmv2': objective.relation_heads={heads!r} must divide the student "
+                f"width {ds} and the teacher width {tc.hidden_size}; valid values: {ok}")
+        self.cfg["relation_heads"] = heads
+
+    def loss(self, proj, s_out, t_out, batch):
+        return L.minilmv2_loss(*self._pair(s_out, t_out), batch["attention_mask"],
+                               self.cfg["relation_heads"], valid=batch.get("valid"))
+
+
 OBJECTIVES = tuple(REGISTRY)
+# Those that read intermediate layers only: the ones general distillation (a corpus) can run.
+INTERMEDIATE = tuple(n for n, cls in REGISTRY.items() if cls.intermediate)
 # Read-only view of each objective's declared defaults (docs, tests).
 DEFAULTS = {n: dict(cls.defaults) for n, cls in REGISTRY.items()}
 

@@ -57,6 +57,8 @@ class BertOutput:
     With `cls_only=True` the last layer computes its [CLS] row only: hidden_states[-1] is
     [B, 1, D] (pooled and logits are the same as without).
     pooled: [B, D] tanh(dense(h_last[:, 0])), or None without a pooler.
+    qkv: with `qkv_layers`, a tuple of N entries: (q, k, v) each [B, H, T, d_head] (q before the
+      1/sqrt(d_head) scale) for the layers asked for, None for the others; else None.
     logits: [B, C] for classification models (C = 1: regression), else None.
     Packed rows (`cls_positions` [B, S] given): pooled is [B, S, D] and logits [B, S, C], one
     per segment; with `cls_only` hidden_states[-1] is [B, S, D] (the segments' [CLS] rows).
@@ -66,6 +68,7 @@ class BertOutput:
     attention_logits: Tuple[Optional[Array], ...]
     pooled: Optional[Array] = None
     logits: Optional[Array] = None
+    qkv: Optional[Tuple[Optional[Tuple[Array, Array, Array]], ...]] = None
 
     @property
     def last_hidden_state(self) -> Array:
@@ -212,10 +215,11 @@ class BertSelfAttention(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
-                 cls_positions: Optional[Array] = None):
+                 cls_positions: Optional[Array] = None, return_qkv: bool = False):
         """h [B, T, D], mask_bias [B, 1, 1, T] or [B, 1, T, T] additive -> (context [B, Q, D],
-        logits [B, H, Q, T]); Q = T, or with `cls_only` 1 (queries from the [CLS] row only) or S
-        (from the rows at cls_positions [B, S])."""
+        logits [B, H, Q, T], qkv); Q = T, or with `cls_only` 1 (queries from the [CLS] row only)
+        or S (from the rows at cls_positions [B, S]). qkv: (q, k, v) [B, H, Q|T, d_head], q
+        unscaled, with `return_qkv`, else None."""
         c = self.config
         B, T, D = h.shape
         # One [B*T, D] x [D, 3*D] product instead of three [D, D] ones: the same sums (each
@@ -247,6 +251,8 @@ class BertSelfAttention(_BertModule):
                                                     cls_positions), 1, 2)
         else:
             q, k, v = qkv
+        # MiniLM's relations read q, k, v; taken before the scale, as the papers define them.
+        heads_out = (q, k, v) if return_qkv else None
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
 
@@ -262,7 +268,7 @@ class BertSelfAttention(_BertModule):
             ctx = product("bhqk,bhkd->bhqd", probs.astype(dtype), v)
         else:
             ctx = _softmax_product(scores, v, product, dtype)
-        return ops.merge_heads(ctx), logits
+        return ops.merge_heads(ctx), logits, heads_out
 
 
 class _ResidualOutput(_BertModule):
@@ -289,12 +295,12 @@ class BertAttention(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
-                 cls_positions: Optional[Array] = None):
-        ctx, logits = BertSelfAttention(**self._shared(), name="self")(
-            h, mask_bias, deterministic, cls_only, cls_positions)
+                 cls_positions: Optional[Array] = None, return_qkv: bool = False):
+        ctx, logits, qkv = BertSelfAttention(**self._shared(), name="self")(
+            h, mask_bias, deterministic, cls_only, cls_positions, return_qkv)
         out = BertSelfOutput(**self._shared(), name="output")(
             ctx, query_rows(h, cls_positions) if cls_only else h, deterministic)
-        return out, logits
+        return out, logits, qkv
 
 
 class BertLayer(_BertModule):
@@ -302,17 +308,17 @@ class BertLayer(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
-                 cls_positions: Optional[Array] = None):
-        """h [B, T, D] -> (h' [B, Q, D], attention logits [B, H, Q, T]); Q = T, or with
-        `cls_only` 1 (the [CLS] row's output, which needs every row's keys and values only) or
-        S (the rows at cls_positions [B, S]: each packed segment's [CLS])."""
-        a, logits = BertAttention(**self._shared(), name="attention")(
-            h, mask_bias, deterministic, cls_only, cls_positions)
+                 cls_positions: Optional[Array] = None, return_qkv: bool = False):
+        """h [B, T, D] -> (h' [B, Q, D], attention logits [B, H, Q, T], qkv or None); Q = T, or
+        with `cls_only` 1 (the [CLS] row's output, which needs every row's keys and values only)
+        or S (the rows at cls_positions [B, S]: each packed segment's [CLS])."""
+        a, logits, qkv = BertAttention(**self._shared(), name="attention")(
+            h, mask_bias, deterministic, cls_only, cls_positions, return_qkv)
         # Names as HF: intermediate/dense, then output/dense + output/LayerNorm.
         inter = _Intermediate(**self._shared(), name="intermediate")(a)
         out = BertFFNOutput(**self._shared(), name="output")(
             inter, a, deterministic)
-        return out, logits
+        return out, logits, qkv
 
 
 class _Intermediate(_BertModule):
@@ -327,8 +333,8 @@ class _Intermediate(_BertModule):
 LayerSelection = Union[bool, Iterable[int], None]
 
 
-def _selected_layers(select: LayerSelection, n: int) -> frozenset:
-    """Normalise a request for attention logits to a set of 1-based layer indices."""
+def _selected_layers(select: LayerSelection, n: int, what: str = "attention logits") -> frozenset:
+    """Normalise a request for attention logits (or q, k, v) to a set of 1-based layer indices."""
     if select is True:
         return frozenset(range(1, n + 1))
     if select is None or select is False:
@@ -336,7 +342,7 @@ def _selected_layers(select: LayerSelection, n: int) -> frozenset:
     sel = frozenset(int(i) for i in select)
     bad = sorted(i for i in sel if not 1 <= i <= n)
     if bad:
-        raise ValueError(f"attention logits asked for layers {bad}, but the model has layers "
+        raise ValueError(f"{what} asked for layers {bad}, but the model has layers "
                          f"1..{n} (1-based; layer 0 is the embedding output and has none)")
     return sel
 
@@ -349,17 +355,19 @@ class BertLayerCollection(_BertModule):
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True,
                  attention_layers: frozenset = frozenset(), cls_only: bool = False,
-                 cls_positions: Optional[Array] = None):
-        cls = nn.remat(BertLayer, static_argnums=(3, 4)) if self.remat else BertLayer
-        hidden, logits = [h], []
+                 cls_positions: Optional[Array] = None, qkv_layers: frozenset = frozenset()):
+        cls = nn.remat(BertLayer, static_argnums=(3, 4, 6)) if self.remat else BertLayer
+        hidden, logits, qkv = [h], [], []
         n = self.config.num_hidden_layers
         for i in range(n):
-            h, lg = cls(**self._shared(), name=str(i))(
-                h, mask_bias, deterministic, cls_only and i == n - 1, cls_positions)
+            h, lg, heads = cls(**self._shared(), name=str(i))(
+                h, mask_bias, deterministic, cls_only and i == n - 1, cls_positions,
+                (i + 1) in qkv_layers)
             hidden.append(h)
             # Unrequested logits are dropped here; under jit XLA never materialises them.
             logits.append(lg if (i + 1) in attention_layers else None)
-        return tuple(hidden), tuple(logits)
+            qkv.append(heads)
+        return tuple(hidden), tuple(logits), (tuple(qkv) if qkv_layers else None)
 
 
 class BertEncoder(_BertModule):
@@ -369,10 +377,10 @@ class BertEncoder(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic=True, attention_layers=frozenset(),
-                 cls_only=False, cls_positions=None):
+                 cls_only=False, cls_positions=None, qkv_layers=frozenset()):
         return BertLayerCollection(**self._shared(), remat=self.remat,
                                    name="layer")(h, mask_bias, deterministic, attention_layers,
-                                                 cls_only, cls_positions)
+                                                 cls_only, cls_positions, qkv_layers)
 
 
 class BertPooler(_BertModule):
@@ -396,6 +404,7 @@ class BertModel(_BertModule):
 
     Call: (input_ids [B, T] int, attention_mask [B, T] {0,1}, token_type_ids [B, T]) -> BertOutput.
     `attention_logits`: True (all layers), False/None, or an iterable of 1-based layer indices.
+    `qkv_layers`: the same kind of selection (default none): those layers' q, k, v in `qkv`.
     `remat` recomputes each layer in the backward pass (less memory, ~1/3 more compute).
     `cls_only`: the last layer computes its [CLS] row only (its output is [B, 1, D]), for a
     caller that reads the pooled output, logits or [CLS] vectors and nothing else per token:
@@ -412,7 +421,7 @@ class BertModel(_BertModule):
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                  deterministic: bool = True, attention_logits: LayerSelection = True,
-                 cls_only: bool = False, cls_positions=None):
+                 cls_only: bool = False, cls_positions=None, qkv_layers: LayerSelection = None):
         attention_mask, token_type_ids = _default_inputs(input_ids, attention_mask, token_type_ids)
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
@@ -425,13 +434,14 @@ class BertModel(_BertModule):
         mask_bias = jnp.where(mask > 0, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
         n = self.config.num_hidden_layers
         sel = _selected_layers(attention_logits, n)
-        if cls_only and n in sel:
+        qkv_sel = _selected_layers(qkv_layers, n, "q, k, v")
+        if cls_only and n in sel | qkv_sel:
             raise ValueError(f"cls_only=True computes layer {n}'s [CLS] row only, so it has no "
                              f"[T, T] attention logits: ask for layers 1..{n - 1} only "
                              "(attention_logits=False or a list), or drop cls_only")
-        hidden, logits = BertEncoder(**self._shared(), remat=self.remat,
-                                     name="encoder")(h, mask_bias, deterministic, sel, cls_only,
-                                                     cls_positions)
+        hidden, logits, qkv = BertEncoder(**self._shared(), remat=self.remat,
+                                          name="encoder")(h, mask_bias, deterministic, sel,
+                                                          cls_only, cls_positions, qkv_sel)
         pooled = None
         if self.add_pooling_layer:
             last = hidden[-1]
@@ -440,7 +450,7 @@ class BertModel(_BertModule):
             else:   # a cls_only last layer computed the [CLS] rows alone
                 rows = last if cls_only else query_rows(last, cls_positions)
             pooled = BertPooler(**self._shared(), name="pooler")(rows)
-        return BertOutput(hidden_states=hidden, attention_logits=logits, pooled=pooled)
+        return BertOutput(hidden_states=hidden, attention_logits=logits, pooled=pooled, qkv=qkv)
 
 
 class BertForSequenceClassification(_BertModule):
@@ -456,10 +466,10 @@ class BertForSequenceClassification(_BertModule):
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                  deterministic: bool = True, attention_logits: LayerSelection = True,
-                 cls_only: bool = False, cls_positions=None):
+                 cls_only: bool = False, cls_positions=None, qkv_layers: LayerSelection = None):
         out = BertModel(**self._shared(), add_pooling_layer=True, remat=self.remat, name="bert")(
             input_ids, attention_mask, token_type_ids, position_ids, deterministic,
-            attention_logits, cls_only, cls_positions)
+            attention_logits, cls_only, cls_positions, qkv_layers)
         x = out.pooled
         if self.head_relu:
             x = jax.nn.relu(x)

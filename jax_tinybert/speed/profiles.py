@@ -49,7 +49,7 @@ class Profile:
 # saves cheap next to minutes of steps, a teacher forward dearer than reading its outputs back.
 CPU = Profile(bucket_compile_steps=8.0, checkpoint_seconds=0.0, compile_workers=1,
               chunk_tokens=1024, chunk_min_steps=100, split_steps_per_bucket=500,
-              split_objectives=("tinybert_intermediate",), cache_tokens=True,
+              split_objectives=("tinybert_intermediate", "minilm", "minilmv2"), cache_tokens=True,
               cache_tokens_epochs=2, cache_beside=True, forwards_in_flight=2,
               forward_tokens=1024, forward_all_devices=False,
               half_products_only=True)

@@ -508,7 +508,7 @@ def with_device_batch(config):
 
 def evaluates(objective: objectives.Objective, data: Data) -> bool:
     """Dev metrics only where the classifier is trained (not in intermediate-layer stages)."""
-    return data.eval_batches is not None and objective.name != "tinybert_intermediate"
+    return data.eval_batches is not None and not objective.intermediate
 
 
 def uses_teacher_cache(config, objective: objectives.Objective) -> bool:

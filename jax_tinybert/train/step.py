@@ -33,11 +33,14 @@ CACHED_KEYS = ("teacher_logits", "teacher_cls") + CACHED_TOKEN_KEYS
 
 
 def _apply(model: nn.Module, params, batch, *, deterministic: bool, attention_logits, rng,
-           cls_only: bool = False):
+           cls_only: bool = False, qkv_layers=()):
+    # qkv_layers only where asked for: every other objective's call (and program) as before.
+    extra = {"qkv_layers": tuple(qkv_layers)} if qkv_layers else {}
     return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
                        batch["token_type_ids"], deterministic=deterministic,
                        attention_logits=attention_logits,
-                       rngs=None if deterministic else {"dropout": rng}, cls_only=cls_only)
+                       rngs=None if deterministic else {"dropout": rng}, cls_only=cls_only,
+                       **extra)
 
 
 def num_chunks(batch_size: int, seq_len: int, chunk_tokens: int) -> int:
@@ -89,13 +92,15 @@ def make_loss_fn(student: nn.Module, teacher: Optional[nn.Module], objective, *,
             t_out = _apply_chunked(teacher, teacher_params, batch, chunk_tokens,
                                    deterministic=not teacher_dropout,
                                    attention_logits=objective.teacher_attention_layers, rng=r_t,
-                                   cls_only=cls_only)
+                                   cls_only=cls_only,
+                                   qkv_layers=getattr(objective, "teacher_qkv_layers", ()))
             t_out = jax.tree_util.tree_map(
                 lambda x: jax.lax.stop_gradient(x.astype(jnp.float32)), t_out)
         s_out = _apply_chunked(student, params["student"], batch, chunk_tokens,
                                deterministic=not student_dropout,
                                attention_logits=objective.student_attention_layers, rng=r_s,
-                               cls_only=cls_only)
+                               cls_only=cls_only,
+                               qkv_layers=getattr(objective, "student_qkv_layers", ()))
         return objective(params.get("proj", {}), s_out, t_out, batch)
 
     return loss_fn
