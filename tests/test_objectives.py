@@ -28,10 +28,12 @@ def fake(config, seed, attention=True):
     r = np.random.default_rng(seed)
     n, d, h = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
     a = lambda *shape: jnp.asarray(r.normal(size=shape), jnp.float32)
-    return BertOutput(hidden_states=tuple(a(B, T, d) for _ in range(n + 1)),
-                      attention_logits=tuple(a(B, h, T, T) if attention else None
-                                             for _ in range(n)),
-                      pooled=a(B, d), logits=2 * a(B, config.num_labels))
+    out = BertOutput(hidden_states=tuple(a(B, T, d) for _ in range(n + 1)),
+                     attention_logits=tuple(a(B, h, T, T) if attention else None
+                                            for _ in range(n)),
+                     pooled=a(B, d), logits=2 * a(B, config.num_labels))
+    # Drawn after the rest, which keep their values: q, k, v [B, H, T, d_head] per layer.
+    return out.replace(qkv=tuple(tuple(a(B, h, T, d // h) for _ in range(3)) for _ in range(n)))
 
 
 def make_batch(seed=0, labels=2):
@@ -424,7 +426,8 @@ def test_pkd_beta_zero_needs_no_cls(outs):
 def _cls_rows_only(out):
     """`out` as a cls_only forward returns it: the last layer's [CLS] row, no [T, T] logits."""
     return out.replace(hidden_states=out.hidden_states[:-1] + (out.hidden_states[-1][:, :1],),
-                       attention_logits=out.attention_logits[:-1] + (None,))
+                       attention_logits=out.attention_logits[:-1] + (None,),
+                       qkv=out.qkv[:-1] + (None,))
 
 
 @pytest.mark.parametrize("name", O.OBJECTIVES)
