@@ -172,7 +172,7 @@ def plan_one(teacher: str, student: str, *, batch: int, seq_len: int, mesh_spec:
         fsdp_min_size=fsdp_min_size, teacher_dtype=teacher_dtype, student_dtype=student_dtype,
         remat=remat, teacher_placement=teacher_placement)
     bsh = shd.batch_sharding(mesh)
-    spec = batch_spec(batch, seq_len, labels=objective != "tinybert_intermediate", cached=cached)
+    spec = batch_spec(batch, seq_len, labels=not obj.intermediate, cached=cached)
     batch_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh) for k, v in spec.items()}
     compiled = step.lower(state_abs, teacher_abs, batch_abs).compile()
     mem = compiled.memory_analysis()
@@ -237,7 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--teacher", default="bert-base", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--student", default="tinybert4", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--objective", default="tinybert_intermediate",
-                   help="tinybert_intermediate (general/task intermediate), tinybert_pred, kd, pkd")
+                   help="tinybert_intermediate, minilm, minilmv2 (general/task "
+                        "intermediate), tinybert_pred, kd, pkd")
     p.add_argument("--batch", type=int, default=256, help="global batch")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--devices", type=int, nargs="+", default=[8],
