@@ -237,8 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--teacher", default="bert-base", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--student", default="tinybert4", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--objective", default="tinybert_intermediate",
-                   help="tinybert_intermediate, minilm, minilmv2 (general/task "
-                        "intermediate), tinybert_pred, kd, pkd")
+                   help=f"one of {', '.join(objectives.OBJECTIVES)}")
     p.add_argument("--batch", type=int, default=256, help="global batch")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--devices", type=int, nargs="+", default=[8],
