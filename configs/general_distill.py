@@ -12,6 +12,9 @@ gets 0:0,1:2,2:3,3:5,4:6; other pairs: --config.objective.layer_map=0:0,1:2,2:3,
 "tiny" (2/32/64/4: checks a pipeline's wiring in seconds; it learns little). Official
 recipe: batch 256, lr 1e-4, length 128, 3 epochs; `--config.objective.mode=tinybert` gives the
 official reductions (the maintainers' trace: attention 28.8 -> 7.7, hidden 2.0 -> 1.1).
+MiniLM instead: `--config.objective.name=minilm` (the teacher's head count) or `minilmv2` (any
+head count; `--config.objective.relation_heads`, `--config.objective.teacher_layer`;
+docs/losses.md#minilm-and-minilmv2).
 """
 from jax_tinybert.config.schema import base_config, parse_variant
 

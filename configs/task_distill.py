@@ -14,6 +14,8 @@ mnli, qnli, rte, wnli). Official recipe: batch 32, length 64 (single sentence) /
 intermediate lr 5e-5 constant, ~10-20 epochs on augmented data (--config.data.train_file=
 .../train_aug.tsv); pred lr 3e-5, warmup 10% + linear decay, 3 epochs, T = 1.
 `--config.objective.mode=tinybert --config.optim.name=bertadam` reproduces the official code.
+In the intermediate stage `--config.objective.name=minilm` / `minilmv2` distils MiniLM's
+self-attention relations instead (docs/losses.md#minilm-and-minilmv2).
 """
 from jax_tinybert.config.schema import base_config, parse_variant, task_lengths
 

@@ -267,3 +267,4 @@ def test_cli_general_distillation_with_minilmv2_and_fewer_student_heads(tmp_path
     cfg = json.loads((wd / "export" / "config.json").read_text())
     assert (cfg["num_attention_heads"], cfg["hidden_size"]) == (2, 16)
     assert os.path.exists(wd / "export" / "model.safetensors")
+    assert not (wd / "cache").exists()                  # the teacher ran in the steps
