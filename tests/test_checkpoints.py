@@ -7,7 +7,6 @@ import logging
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from helpers import tiny_run as T
 from jax_tinybert.train.checkpoints import Checkpointer, abstract_like
 from jax_tinybert.train.state import TrainState
 
@@ -456,12 +456,6 @@ sys.exit(3)
     np.testing.assert_array_equal(np.asarray(got["x"]), np.full(4, 6.0))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_sharded_save_restore_and_agreed_stop(tmp_path):
     code = _STATE_CODE + """
 import json, os, signal, sys
@@ -545,29 +539,11 @@ print("RESULT " + json.dumps(dict(stop_step=stop_step, rstep=rstep, meta=rmeta, 
       data_reads=data_reads)), flush=True)
 jax.distributed.shutdown()
 """
-    port = _free_port()
+    port = T.free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(port), str(i),
-                               str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=SUB_TIMEOUT)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    results = []
-    for rc, out, err in outs:
-        assert rc == 0, err[-4000:]
-        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert line, (out, err[-4000:])
-        results.append(json.loads(line[-1][len("RESULT "):]))
+    results = T.run_scripts(code, [(port, i, tmp_path) for i in range(2)], env, SUB_TIMEOUT)
     r0, r1 = results
     # Both stop together two steps after process 1 got SIGTERM (one step to feed its flag
     # into the agreement, one to read it), though process 0 never got it.

@@ -16,14 +16,14 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 import uuid
 
 import numpy as np
 import pytest
 
 from helpers import gcs_emulator
-from test_checkpoints import (REPO, SUB_TIMEOUT, _STATE_CODE, _big_state, _free_port,
+from helpers import tiny_run as T
+from test_checkpoints import (REPO, SUB_TIMEOUT, _STATE_CODE, _big_state,
                               assert_tree_equal)
 
 from jax_tinybert import fs
@@ -247,30 +247,13 @@ jax.distributed.shutdown()
 
 
 def test_two_processes_on_a_bucket_process_0_checks_both_restore_one_step(emulator, root):
-    port = _free_port()
+    port = T.free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(emulator.env, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
                    [str(REPO), str(REPO / "tests" / "helpers"), env.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(_TWO_PROCESSES), str(port),
-                               str(i), f"{root}/run"], env=env, cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=SUB_TIMEOUT)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    results = []
-    for rc, out, err in outs:
-        assert rc == 0, err[-4000:]
-        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        assert line, (out, err[-4000:])
-        results.append(json.loads(line[-1][len("RESULT "):]))
+    results = T.run_scripts(_TWO_PROCESSES, [(port, i, f"{root}/run") for i in range(2)], env,
+                            SUB_TIMEOUT)
     r0, r1 = results
     for r in results:
         assert r["step"] == 1 and r["meta"] == {"s": 1} and r["steps"] == [1], r

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 
 import pytest
@@ -105,33 +104,10 @@ def test_demo_pipeline_in_a_bucket_preempted_in_stage_3_and_resumed(tmp_path_fac
                        n.endswith(".xplane.pb") for n in names), s
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job(args, env, out_dir, tag, timeout=240):
     """2 processes x 1 CPU device of one job (tests/helpers/multihost_main.py) -> their logs;
     both killed when they outlast `timeout` (processes that disagree on a stage wait forever)."""
-    port = _free_port()
-    logs = [out_dir / f"{tag}_p{i}.log" for i in range(2)]
-    procs = [subprocess.Popen([T.PYTHON, "-m", "multihost_main", *args],
-                              env=dict(env, JTB_COORDINATOR=f"127.0.0.1:{port}",
-                                       JTB_NUM_PROCESSES="2", JTB_PROCESS_ID=str(i),
-                                       JTB_CPU_DEVICES="1"),
-                              cwd=REPO, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
-               for i in range(2)]
-    try:
-        rcs = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    out = [log.read_text() for log in logs]
-    assert rcs == [0, 0], "\n".join(o[-2000:] for o in out)
-    return out
+    return T.run_job(args, env, [out_dir / f"{tag}_p{i}.log" for i in range(2)], timeout=timeout)
 
 
 @pytest.mark.multihost

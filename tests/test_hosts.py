@@ -9,7 +9,6 @@ import glob
 import gzip
 import json
 import os
-import socket
 import subprocess
 
 import numpy as np
@@ -102,12 +101,6 @@ def test_one_process_gathers_nothing():
     assert t.record(1, w) is None and w.records == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multihost
 @pytest.mark.timeout(600)
 def test_the_slow_host_is_named(tmp_path_factory, tmp_path):
@@ -118,23 +111,7 @@ def test_the_slow_host_is_named(tmp_path_factory, tmp_path):
                         extra=("--config.train.log_every=4",))
     env = T.env(**T.cache_env(cache), JTB_TEST_SLOW_INPUT="1:0.15",
                 PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'helpers'}")
-    port = _free_port()
-    logs = [tmp_path / f"p{i}.log" for i in range(2)]
-    procs = [subprocess.Popen([T.PYTHON, "-m", "multihost_main", *map(str, args)],
-                              env=dict(env, JTB_COORDINATOR=f"127.0.0.1:{port}",
-                                       JTB_NUM_PROCESSES="2", JTB_PROCESS_ID=str(i),
-                                       JTB_CPU_DEVICES="2"),
-                              cwd=REPO, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
-             for i in range(2)]
-    try:
-        rcs = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    out = [log.read_text() for log in logs]
-    assert rcs == [0, 0], out[0][-3000:] + out[1][-3000:]
+    out = T.run_job(args, env, [tmp_path / f"p{i}.log" for i in range(2)], devices=2)
     lines = [l for l in out[0].splitlines() if l.startswith("[hosts] step ")]
     assert [int(l.split()[2].rstrip(":")) for l in lines] == [1, 4, 8, 12], lines
     assert not any(l.startswith("[hosts]") for l in out[1].splitlines())   # process 0 only

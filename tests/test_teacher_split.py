@@ -2,7 +2,6 @@
 cache equal the one-process pass row for row; a forward spread over a host's devices equals
 the one-device forward. The multi-process run itself: tests/test_pod.py."""
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -115,34 +114,26 @@ def test_a_forward_spread_over_four_devices_equals_the_one_device_forward(tmp_pa
     assert res.returncode == 0 and "spread ok" in res.stdout, res.stdout + res.stderr[-3000:]
 
 
-_PROBE = textwrap.dedent("""
-    import os, sys, jax
-    from jax_tinybert.parallel import coordination
-    from jax_tinybert.teacher import split
-    jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
-    shared, why = split.shared_workdir(sys.argv[3], coordination.Coordinator("probe"))
-    print("shared" if shared else "not shared", "|", why)
-""")
+_PROBE = """
+import json, sys, jax
+from jax_tinybert.parallel import coordination
+from jax_tinybert.teacher import split
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+shared, why = split.shared_workdir(sys.argv[3], coordination.Coordinator("probe"))
+print("RESULT " + json.dumps({"shared": shared, "why": why}))
+"""
 
 
 @pytest.mark.parametrize("same", [True, False])
 def test_the_workdir_probe_tells_a_shared_folder_from_one_per_host(tmp_path, same):
     """Two processes: one workdir for both is shared; a folder of the same path on each 'host'
     (here: each process its own) is not, and both learn it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{sock.getsockname()[1]}"
-    procs = []
-    for i in range(2):
-        wd = tmp_path / ("wd" if same else f"wd{i}")
+    wds = [tmp_path / ("wd" if same else f"wd{i}") for i in range(2)]
+    for wd in wds:
         (wd / "cache").mkdir(parents=True, exist_ok=True)
-        procs.append(subprocess.Popen([sys.executable, "-c", _PROBE, addr, str(i), str(wd)],
-                                      env=T.env(), cwd=T.REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        assert out.startswith("shared |" if same else "not shared |"), out
+    addr = f"127.0.0.1:{T.free_port()}"
+    got = T.run_scripts(_PROBE, [(addr, i, wd) for i, wd in enumerate(wds)], T.env(), 120)
+    assert [r["shared"] for r in got] == [same, same], got
     if not same:
-        assert "is not one folder for all processes" in outs[0][0]
+        assert "is not one folder for all processes" in got[0]["why"]
     assert not any(os.listdir(d / "cache") for d in tmp_path.iterdir()), "a probe file was left"

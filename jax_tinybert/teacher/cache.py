@@ -105,6 +105,7 @@ class TeacherCache:
         """The state a lookup reads, for an opened cache and for one being built alike."""
         self.path, self.local_dir, self.meta = path, local_dir, meta
         self.build_stats: Optional[Dict[str, float]] = None   # set by `build`: rate, seconds
+        self.shared = False   # read by every process of a run (teacher/split.py)
         self.num_examples = num_examples
         self.fields, self.filled = fields, filled
         self.token_fields, self.token_index = token_fields, token_index

@@ -129,7 +129,7 @@ def build_shared(path: str, fingerprint: Mapping[str, Any], forward: Callable, p
     processes (each its share on all its devices), joined by process 0 into one cache at `path`
     (in a workdir every process sees), opened by all. A part already built by an interrupted
     run with the same process count is reused. Arguments as `build_or_load`'s (batches: a
-    callable, called only when this process's part is built)."""
+    callable returning the whole pass's batches, lazily; this process takes its share)."""
     fingerprint = dict(fingerprint, num_examples=int(num_examples))
     p, P = jax.process_index(), jax.process_count()
     cache = _opened(path, fingerprint, coord)
@@ -140,13 +140,14 @@ def build_shared(path: str, fingerprint: Mapping[str, Any], forward: Callable, p
     t0 = time.perf_counter()
     parts_dir = f"{path.rstrip('/')}.parts-of-{P}"
     part = fs.join(parts_dir, f"part-{p}")
+    mine = pass_forward(forward)
     log.info("teacher cache: the pass split over %d processes (each every %d-th batch, on %d "
              "local devices); process 0 joins the parts into %s", P, P,
-             len(jax.local_devices()) if isinstance(pass_forward(forward), Spread) else 1, path)
+             len(jax.local_devices()) if isinstance(mine, Spread) else 1, path)
     share = _share(batches(), p, P)
     if share is not None:
         teacher_cache.build_or_load(
-            part, dict(fingerprint, part=[p, P]), pass_forward(forward), params, share,
+            part, dict(fingerprint, part=[p, P]), mine, params, share,
             num_examples, num_rows=-(-(num_rows or num_examples) // P),
             token_fields=token_fields, token_dtype=token_dtype,
             work_total=None if work_total is None else work_total / P,

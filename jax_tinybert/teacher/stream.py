@@ -207,7 +207,7 @@ class TokenCacheDrop:
     def _run(self, cache) -> None:
         try:
             # A cache all the processes read (teacher/split.py) is removed by process 0 alone.
-            if not getattr(cache, "shared", False) or jax.process_index() == 0:
+            if not cache.shared or jax.process_index() == 0:
                 fs.rmtree(cache.path)
             if cache.local_dir != cache.path:
                 shutil.rmtree(cache.local_dir, ignore_errors=True)

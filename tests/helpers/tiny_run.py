@@ -291,3 +291,66 @@ def _first_diff(x, y):
         if u != v:
             return f"first difference at {i}: {u} != {v}"
     return f"lengths {len(x)} != {len(y)}"
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (for a job's coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(args, env, logs, devices=1, module="multihost_main", timeout=300):
+    """len(logs) processes of one job (`python -m module *args`, JTB_COORDINATOR & co. set),
+    each writing to its log; all killed when they outlast `timeout`. -> the logs' texts, after
+    asserting every process exited 0."""
+    import subprocess
+
+    port, n = free_port(), len(logs)
+    procs = [subprocess.Popen([PYTHON, "-m", module, *map(str, args)],
+                              env=dict(env, JTB_COORDINATOR=f"127.0.0.1:{port}",
+                                       JTB_NUM_PROCESSES=str(n), JTB_PROCESS_ID=str(i),
+                                       JTB_CPU_DEVICES=str(devices)),
+                              cwd=REPO, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
+             for i in range(n)]
+    try:
+        rcs = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = [pathlib.Path(log).read_text() for log in logs]
+    assert rcs == [0] * n, "\n".join(o[-2000:] for o in out)
+    return out
+
+
+def run_scripts(code: str, argvs, env, timeout: float, marker: str = "RESULT "):
+    """`python -c code *argv` for each argv at once (e.g. the processes of a job that find each
+    other through a port in argv); all killed when one outlasts `timeout`. -> each process's
+    last `marker` line parsed as JSON, after asserting every process exited 0."""
+    import subprocess
+    import textwrap
+
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *map(str, argv)],
+                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for argv in argvs]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    results = []
+    for rc, out, err in outs:
+        assert rc == 0, err[-4000:]
+        line = [ln for ln in out.splitlines() if ln.startswith(marker)]
+        assert line, (out, err[-4000:])
+        results.append(json.loads(line[-1][len(marker):]))
+    return results
