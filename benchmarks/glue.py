@@ -39,7 +39,10 @@ student epochs, large tasks a fraction of an epoch). Rows: teacher (packaged Min
 tinybert (intermediate + prediction distillation), tinybert+da (each stage one epoch of the
 augmented set, N augmented sentences per text column sized so that epoch is about the no-DA
 stage's examples, i.e. about equal compute; embedding-neighbour DA from the teacher's word
-embeddings, or MLM DA with --mlm, e.g. the export of configs/mlm_head.py), pkd, kd, labels-only (the same student on gold labels) and majority. Every
+embeddings, or MLM DA with --mlm, e.g. the export of configs/mlm_head.py), pkd, kd, labels-only (the same student on gold labels) and majority. With
+`--rows` also minilm, minilmv2 (the intermediate stage with MiniLM's / MiniLMv2's relations of
+the teacher's last layer instead of TinyBERT's losses, then the same prediction stage) and
+minilmv2-6heads (the same student split into 6 heads, which only MiniLMv2 can distil). Every
 student is 3 layers, d 384, initialised from the fine-tuned teacher's layers 2, 4, 6 (--init_layers;
 the intermediate stage maps student layer m to teacher layer 2m). W/results.json is
 a list of {"task", "model", "dev", "metric", "export", "params", "wall_s"} (rewritten after each
@@ -312,7 +315,13 @@ CPU = dict(
     # explicit pairs, --layer_map) and the teacher layers the students start from (--init_layers).
     inter_layer_map="uniform")
 CPU_TEACHER_LAYERS = 6   # the packaged all-MiniLM-L6-v2
+# The intermediate stage with MiniLM's objectives instead of TinyBERT's (then the same prediction
+# stage): row -> (objective, the student's heads; 0 = the teacher's 12). The 6-head student
+# has the same weights split into fewer heads: only MiniLMv2's relations can distil into it.
+MINILM_ROWS = {"minilm": ("minilm", 0), "minilmv2": ("minilmv2", 0),
+               "minilmv2-6heads": ("minilmv2", 6)}
 CPU_ROWS = ("teacher", "tinybert", "tinybert+da", "pkd", "kd", "labels-only", "majority")
+CPU_OPTIONAL_ROWS = tuple(MINILM_ROWS)   # run when --rows names them
 
 
 def _train_rows(args, task: str) -> int:
@@ -417,11 +426,14 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
                                    "teacher.path": "packaged"}), os.path.join(tdir, "teacher"))
     init = _student_init(args, teacher_export)
 
-    def tinybert(suffix: str, train_file: str = ""):
+    def tinybert(suffix: str, train_file: str = "", objective: str = "", heads: int = 0):
         c = _load_config("task_distill", f"{task}_intermediate")
         o = {**_cpu_common(args, task, se, lr["inter"]), **init,
              "objective.projection": CPU["inter_projection"],
              "objective.layer_map": args.layer_map}
+        if objective:   # MiniLM / MiniLMv2: the relations of the teacher's last layer
+            o = {**o, "objective.name": objective, "student.teacher_layers_heads": heads}
+            del o["objective.projection"], o["objective.layer_map"]
         # With DA: one epoch of the augmented set (sized by da_n to about the no-DA stage's
         # examples): every augmented row read once, about equal compute.
         da = {"data.train_file": train_file, "data.train_subset": 0, "train.num_epochs": 1.0}
@@ -438,6 +450,9 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
 
     if "tinybert" in want or "tinybert+da" in want:
         tinybert("")
+    for model, (objective, heads) in MINILM_ROWS.items():
+        if model in want:
+            tinybert("_" + model.replace("-", "_"), objective=objective, heads=heads)
     if "tinybert+da" in want and not args.no_da:
         res["da_info"] = cpu_augment(args, task, tdir, teacher_export, n, se)
         tinybert("_da", res["da_info"]["path"])
@@ -475,7 +490,9 @@ def cpu_rows(args, task: str, res: Dict[str, dict]) -> List[dict]:
     spec = glue.get_task(task)
     stages = {"teacher": ("teacher",), "tinybert": ("inter", "pred"),
               "tinybert+da": ("inter_da", "pred_da"), "pkd": ("pkd",), "kd": ("kd",),
-              "labels-only": ("labels",)}
+              "labels-only": ("labels",),
+              **{m: ("inter_" + m.replace("-", "_"), "pred_" + m.replace("-", "_"))
+                 for m in MINILM_ROWS}}
     rows = []
     for model, st in stages.items():
         if st[-1] not in res:
@@ -819,9 +836,10 @@ def main(argv=None) -> str:
                     "float32 activations, ~1.6x (1.2-1.6x) faster steps")
     ap.add_argument("--no_da", action="store_true", help="budget cpu: skip the tinybert+da row")
     ap.add_argument("--rows", default="",
-                    help="budget cpu: comma list of rows to run, of " + ",".join(CPU_ROWS)
-                    + " (default all; the teacher always runs, the others need it; tinybert+da also runs"
-                    " tinybert, its no-DA counterpart)")
+                    help="budget cpu: comma list of rows to run, of "
+                    + ",".join(CPU_ROWS + CPU_OPTIONAL_ROWS) + " (default all but the MiniLM rows; "
+                    "the teacher always runs, the others need it; tinybert+da also runs tinybert, "
+                    "its no-DA counterpart)")
     ap.add_argument("--teacher_max_epochs", type=float, default=0.0,
                     help=f"budget cpu: cap on teacher epochs (default {CPU['teacher_max_epochs']})")
     ap.add_argument("--student_max_epochs", type=float, default=0.0,
@@ -908,8 +926,8 @@ def main(argv=None) -> str:
         b["eval_subset"] = args.eval_subset
     tasks = [t.strip().lower().replace("-", "") for t in args.tasks.split(",") if t.strip()]
     for r in filter(None, args.rows.split(",")):
-        if r not in CPU_ROWS:
-            ap.error(f"--rows: {r!r} is not one of {','.join(CPU_ROWS)}")
+        if r not in CPU_ROWS + CPU_OPTIONAL_ROWS:
+            ap.error(f"--rows: {r!r} is not one of {','.join(CPU_ROWS + CPU_OPTIONAL_ROWS)}")
     allowed = ALL_GLUE if args.budget == "cpu" else TASKS
     for t in tasks:
         if t not in allowed:

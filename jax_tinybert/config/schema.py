@@ -97,6 +97,8 @@ def _student() -> ml_collections.ConfigDict:
         init="random",           # random | pretrained (student.path) | teacher_layers
         path="",                 # HF folder or a run's export/ for init=pretrained
         teacher_layers=(),       # init=teacher_layers: 1-based teacher layers to copy, e.g. (1, 2, 3)
+        teacher_layers_heads=0,  # init=teacher_layers: 0 = the teacher's head count; else the same
+                                 # weights split into this many heads (MiniLMv2's relations train it)
         num_hidden_layers=4, hidden_size=312, intermediate_size=1200, num_attention_heads=12,
         head_relu=False,         # official TinyBERT head: classifier(relu(pooled))
         dropout=True, dtype="float32", remat=False,

@@ -40,11 +40,11 @@ from jax_tinybert.teacher import (fingerprint as teacher_fingerprint, stream as 
                                   training as teacher_training)
 from jax_tinybert.config.check import DTYPES, ConfigValueError, owned_by_a_run, record_speed
 from jax_tinybert.data import batching, corpus, glue, reader, synthetic, tokenize
-from jax_tinybert.model.hf import bert_params, load_pretrained, resolve_path
-from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, BertModel,
-                                         init_classifier, random_params)
+from jax_tinybert.model.hf import load_pretrained, resolve_path
+from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, BertModel
 from jax_tinybert import speed
 from jax_tinybert.speed import dtypes as speed_dtypes
+from jax_tinybert.train import students
 from jax_tinybert.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -131,27 +131,10 @@ def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
                                         seed=config.train.seed)
     elif sc.init == "teacher_layers":
         tcfg, tparams = teacher_folder()
-        layers = tuple(int(i) for i in sc.teacher_layers)
-        if not layers or any(not 1 <= i <= tcfg.num_hidden_layers for i in layers):
-            raise ConfigValueError(f"config.student.teacher_layers={layers}: need 1-based teacher "
-                                   f"layers in 1..{tcfg.num_hidden_layers}")
-        scfg = tcfg.replace(num_hidden_layers=len(layers), num_labels=num_labels, id2label=None)
-        fresh = {"classifier": init_classifier(scfg, rng)}
-        tb = bert_params(tparams)
-        enc = {str(i): tb["encoder"]["layer"][str(t - 1)] for i, t in enumerate(layers)}
-        sparams = {"bert": {"embeddings": tb["embeddings"], "encoder": {"layer": enc},
-                            "pooler": tb["pooler"]},
-                   "classifier": tparams.get("classifier", fresh["classifier"])
-                   if tcfg.num_labels == num_labels else fresh["classifier"]}
+        scfg, sparams = students.from_teacher_layers(sc, tcfg, tparams, num_labels, rng)
     else:
-        tcfg, _ = teacher_folder()
-        scfg = BertConfig(vocab_size=tcfg.vocab_size, hidden_size=sc.hidden_size,
-                          num_hidden_layers=sc.num_hidden_layers,
-                          num_attention_heads=sc.num_attention_heads,
-                          intermediate_size=sc.intermediate_size,
-                          max_position_embeddings=tcfg.max_position_embeddings,
-                          type_vocab_size=tcfg.type_vocab_size, num_labels=num_labels)
-        sparams = random_params(BertForSequenceClassification(scfg), config.train.seed)
+        scfg, sparams = students.random_student(sc, teacher_folder()[0], num_labels,
+                                                config.train.seed)
     if id2label:
         scfg = scfg.replace(id2label=dict(id2label), num_labels=num_labels)
     if teacher_config is not None and scfg.vocab_size != teacher_config.vocab_size:
