@@ -81,9 +81,11 @@ from jax_tinybert.parallel import sharding as shd  # noqa: E402
 from jax_tinybert import flops as work  # noqa: E402
 from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, init_params  # noqa: E402
 
-STAGES = ("finetune", "tinybert_intermediate", "tinybert_pred", "pkd")
+STAGES = ("finetune", "tinybert_intermediate", "tinybert_pred", "pkd", "minilm", "minilmv2")
 STAGE_SHORT = {"finetune": "finetune", "tinybert_intermediate": "intermediate",
-               "tinybert_pred": "pred", "pkd": "pkd"}
+               "tinybert_pred": "pred", "pkd": "pkd", "minilm": "minilm", "minilmv2": "minilmv2"}
+# Stages benchmarks/torch_reference.py has no PyTorch step for.
+NO_TORCH_STAGES = ("minilm", "minilmv2")
 # (layers, hidden, intermediate, heads)
 STUDENT_SHAPES = {"tinybert4": (4, 312, 1200, 12), "l3_d384": (3, 384, 1536, 12)}
 TEACHERS = ("minilm", "bert_base")
@@ -756,7 +758,8 @@ def _bench_one(args, stage, tname, tlabel, tweights, tcfg, tparams, sname, scfg,
                 "loss": j["loss"], "xla_step_bytes": j["xla_step_bytes"],
                 "peak_bytes_in_use": j["peak_bytes_in_use"],
                 "loadavg_1m": os.getloadavg()[0]})
-    if not args.no_torch and not (stage == "finetune" and args.no_torch_finetune):
+    if not args.no_torch and not (stage == "finetune" and args.no_torch_finetune) \
+            and stage not in NO_TORCH_STAGES:
         try:
             t = time_torch(case, host_batch, args.warmup, steps,
                            student_dropout=not args.no_student_dropout, device=torch_device,
