@@ -257,3 +257,21 @@ def test_dtype_reaches_every_stage_and_the_recipe_line(glue_bench, monkeypatch, 
     rows = glue_bench.cpu_rows(types.SimpleNamespace(glue_dir=str(glue_dir)), "mrpc", res)
     assert "intermediate layer map uniform, compute dtype bfloat16." in \
         glue_bench.cpu_table(rows, {"mrpc": res})
+
+
+def test_minilm_rows_swap_the_intermediate_objective_only(glue_bench, monkeypatch, tmp_path,
+                                                          glue_dir):
+    """--rows minilm,minilmv2,minilmv2-6heads: each its own intermediate stage with MiniLM's
+    objective (no TinyBERT layer map or projection) and the same prediction stage after it; the
+    6-head row splits the student's weights into 6 heads."""
+    _, c = _stage_configs(glue_bench, monkeypatch, tmp_path, glue_dir,
+                          "--rows", "minilm,minilmv2,minilmv2-6heads")
+    assert set(c) == {"teacher", "inter_minilm", "pred_minilm", "inter_minilmv2",
+                      "pred_minilmv2", "inter_minilmv2_6heads", "pred_minilmv2_6heads"}
+    for row, (objective, heads) in (("minilm", ("minilm", 0)), ("minilmv2", ("minilmv2", 0)),
+                                    ("minilmv2_6heads", ("minilmv2", 6))):
+        inter, pred = c["inter_" + row], c["pred_" + row]
+        assert inter.objective.name == objective and inter.student.teacher_layers_heads == heads
+        assert tuple(inter.student.teacher_layers) == (2, 4, 6)
+        assert pred.objective.name == "tinybert_pred"
+        assert pred.student.path.endswith(os.path.join("inter_" + row, "export"))

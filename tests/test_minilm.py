@@ -268,3 +268,43 @@ def test_cli_general_distillation_with_minilmv2_and_fewer_student_heads(tmp_path
     assert (cfg["num_attention_heads"], cfg["hidden_size"]) == (2, 16)
     assert os.path.exists(wd / "export" / "model.safetensors")
     assert not (wd / "cache").exists()                  # the teacher ran in the steps
+
+
+def test_a_student_of_teacher_layers_split_into_other_heads_is_that_pytorch_model(tmp_path):
+    """student.teacher_layers_heads: the copied layers' weights unchanged, split into 2 heads
+    instead of the teacher's 4; the forward equals transformers' PyTorch BERT of that config
+    with those weights. A head count that does not divide the width is one line."""
+    import ml_collections
+    import torch
+    import transformers
+    from jax_tinybert.model import hf
+    from jax_tinybert.model.modeling import BertForSequenceClassification, random_params
+    from jax_tinybert.train import students
+
+    tcfg = _tiny(h=32, heads=4, layers=3)
+    tparams = random_params(BertForSequenceClassification(tcfg), 3)
+    sc = ml_collections.ConfigDict(dict(teacher_layers=(1, 3), teacher_layers_heads=2))
+    scfg, sp = students.from_teacher_layers(sc, tcfg, tparams, 2, jax.random.PRNGKey(0))
+    assert (scfg.num_attention_heads, scfg.num_hidden_layers) == (2, 2)
+    np.testing.assert_array_equal(sp["bert"]["encoder"]["layer"]["1"]["attention"]["self"]
+                                  ["query"]["kernel"], tparams["bert"]["encoder"]["layer"]["2"]
+                                  ["attention"]["self"]["query"]["kernel"])
+    tm = transformers.BertForSequenceClassification(transformers.BertConfig(
+        **{k: v for k, v in scfg.to_dict().items() if k not in ("id2label", "label2id")})).eval()
+    state = {k: torch.from_numpy(np.asarray(v)) for k, v in
+             hf.params_to_torch_state_dict(sp).items() if not k.startswith("cls.")}
+    missing, _ = tm.load_state_dict(state, strict=False)
+    assert not [k for k in missing if "position_ids" not in k], missing
+    ids = np.array([[2, 7, 9, 11, 3, 0], [2, 5, 6, 3, 0, 0]], np.int32)
+    mask = (ids > 0).astype(np.int32)
+    ours = BertForSequenceClassification(scfg).apply({"params": sp}, ids, mask)
+    with torch.no_grad():
+        ref = tm(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                 output_hidden_states=True)
+    np.testing.assert_allclose(np.asarray(ours.logits), ref.logits.numpy(), atol=1e-5)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(ours.hidden_states[-1])[real],
+                               ref.hidden_states[-1].numpy()[real], atol=1e-4)
+    sc.teacher_layers_heads = 3
+    with pytest.raises(check.ConfigValueError, match="teacher_layers_heads=3 does not divide"):
+        students.from_teacher_layers(sc, tcfg, tparams, 2, jax.random.PRNGKey(0))
