@@ -2,9 +2,18 @@
 Unigram / SentencePiece (XLM-R), trained here on the shared corpus (helpers/tokenizers_here.py),
 next to BERT's WordPiece (the packaged teacher). References are transformers' own tokenizer
 calls and the official `_truncate_seq_pair` rule, written out here."""
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
 import pytest
 
-from jax_tinybert.data import glue, tokenize, wordpiece
+from jax_tinybert.data import glue, tokenize, vocab_match, wordpiece
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from helpers import tiny_run  # noqa: E402
 
 FAMILIES = ("bert", "bpe", "unigram")
 
@@ -111,3 +120,61 @@ def test_wordpiece_fast_path_keeps_bert_template(teacher_dir, mrpc):
     assert x.token_type_ids.tolist() == y.token_type_ids.tolist()
     t = tokenize.special_template(lw, True)
     assert t.ids == ((101,), (102,), (102,)) and t.seg_types == (0, 1)
+
+
+# --------------------------------------------------------------------------- tokenizer mismatch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.txt", "vocab.json", "merges.txt")
+
+
+def _with_tokenizer(model_dir, tok_dir, out):
+    """A copy of model folder `model_dir` whose tokenizer files are those of `tok_dir`."""
+    shutil.copytree(model_dir, out)
+    for f in TOKENIZER_FILES:
+        (out / f).unlink(missing_ok=True)
+        if (pathlib.Path(tok_dir) / f).exists():
+            shutil.copy(pathlib.Path(tok_dir) / f, out / f)
+    return out
+
+
+def test_a_student_with_the_bpe_tokenizer_is_refused_by_the_cli(tmp_path, tmp_path_factory,
+                                                                 bpe_tokenizer_dir):
+    from jax_tinybert.data import synthetic
+
+    teacher, cache = tiny_run.shared_dirs(tmp_path_factory)
+    (tmp_path / "configs").symlink_to(tiny_run.REPO / "configs")
+    shutil.copytree(teacher, tmp_path / "teacher")
+    _with_tokenizer(teacher, bpe_tokenizer_dir, tmp_path / "student_bpe")
+    synthetic.write_sst2_like(str(tmp_path / "glue"), 32, 16, seed=0)
+    args = ["--config=configs/task_distill.py:sst2_intermediate", "--workdir=runs/s",
+            "--config.teacher.path=teacher", "--config.student.path=student_bpe",
+            "--config.data.glue_dir=glue", "--config.train.num_steps=1"]
+    r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.main", *args], cwd=tmp_path,
+                       env=tiny_run.env(**tiny_run.cache_env(cache)), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: ") and sum(ln.startswith("error: ") for ln in lines) == 1
+    n_bpe = len(tokenize.load_tokenizer(bpe_tokenizer_dir))
+    for needle in ("config.student.path='student_bpe'", "teacher", f"vocab size {n_bpe:,} vs "
+                   "the teacher's 30,522", "student.init=teacher_layers", "student.init=random"):
+        assert needle in lines[-1], (needle, lines[-1])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_same_size_but_other_pieces_is_refused_and_the_same_tokenizer_passes(teacher_dir,
+                                                                              tmp_path):
+    vocab_match.check_student(teacher_dir, str(_with_tokenizer(teacher_dir, teacher_dir,
+                                                               tmp_path / "same")))
+    other = _with_tokenizer(teacher_dir, teacher_dir, tmp_path / "swapped")
+    d = json.loads((other / "tokenizer.json").read_text())
+    v = d["model"]["vocab"]
+    v["the"], v["of"] = v["of"], v["the"]
+    (other / "tokenizer.json").write_text(json.dumps(d))
+    with pytest.raises(vocab_match.TokenizerMismatch) as e:
+        vocab_match.check_student(teacher_dir, str(other))
+    msg = str(e.value)
+    assert "\n" not in msg and "same vocab size (30,522) but 2 pieces differ" in msg
+    assert str(teacher_dir) in msg and str(other) in msg
