@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jax_tinybert.data import glue, tokenize, vocab_match, wordpiece
@@ -178,3 +179,54 @@ def test_same_size_but_other_pieces_is_refused_and_the_same_tokenizer_passes(tea
     msg = str(e.value)
     assert "\n" not in msg and "same vocab size (30,522) but 2 pieces differ" in msg
     assert str(teacher_dir) in msg and str(other) in msg
+
+
+# --------------------------------------------------------------------------- large vocabularies
+
+def _wordlevel_70k(out):
+    """A WordLevel tokenizer of 70,005 pieces (`w0` .. `w69999` after BERT's 5 specials), as a
+    fast-tokenizer folder: ids above uint16's range."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{k}": len(specials) + k for k in range(70000)})
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    t.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", unk_token="[UNK]",
+                            cls_token="[CLS]", sep_token="[SEP]",
+                            mask_token="[MASK]").save_pretrained(str(out))
+    return str(out)
+
+
+def test_a_vocab_over_65536_pieces_is_stored_as_uint32(tmp_path):
+    from jax_tinybert.data import corpus, prepare, prepared
+
+    tok = tokenize.load_data_tokenizer(_wordlevel_70k(tmp_path / "tok"))
+    assert len(tok.get_vocab()) == 70005
+    rng = np.random.default_rng(0)
+    text = tmp_path / "text"
+    text.mkdir()
+    with open(text / "a.txt", "w") as f:   # ids all over the range, most above 65,535
+        for d in range(40):
+            for _ in range(3):
+                f.write(" ".join(f"w{k}" for k in rng.integers(0, 70000, 9)) + "\n")
+            f.write("\n")
+    m = prepare.prepare([str(text)], str(tmp_path / "prep"), tok,
+                        prepare.Settings(seq_len=16, dedup=False, rows_per_shard=50))
+    assert m["dtype"] == "uint32"
+    got = prepared.read_rows(str(tmp_path / "prep"))
+    ref = corpus.build_packed_corpus([str(text / "a.txt")], tok, 16,
+                                     cache_dir=str(tmp_path / "cache"))
+    assert got.offsets.tolist() == ref.offsets.tolist()
+    assert np.asarray(got.input_ids).tolist() == np.asarray(ref.input_ids).tolist()
+    assert int(np.max(got.input_ids)) > 65535
+    # The word ids the text names, in order: no id was cut to 16 bits.
+    words = (text / "a.txt").read_text().split()
+    body = [int(i) for i in np.asarray(got.input_ids) if i > 4]
+    assert body == [5 + int(w[1:]) for w in words]
+
