@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from jax_tinybert.data import glue, tokenize, vocab_match, wordpiece
+from jax_tinybert.data import augment, glue, tokenize, vocab_match, wordpiece, words
+from jax_tinybert.model.modeling import BertConfig, BertForMaskedLM, random_params
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import tiny_run  # noqa: E402
@@ -230,3 +231,87 @@ def test_a_vocab_over_65536_pieces_is_stored_as_uint32(tmp_path):
     body = [int(i) for i in np.asarray(got.input_ids) if i > 4]
     assert body == [5 + int(w[1:]) for w in words]
 
+
+
+# --------------------------------------------------------------------------- augmentation words
+
+def _clean_sentences(tok, mrpc, n=150):
+    """MRPC sentences in ASCII that the tokenizer encodes without an unknown piece."""
+    out = []
+    for e in mrpc:
+        for s in (e.text_a, e.text_b):
+            ids = tok(s, add_special_tokens=False)["input_ids"]
+            if s.isascii() and tok.unk_token_id not in ids:
+                out.append(s)
+    return out[:n]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pieces_group_into_the_pre_tokenizers_words(family, family_dirs, mrpc):
+    tok = tokenize.load_tokenizer(family_dirs[family])
+    scheme = words.scheme_of(tok)
+    assert (scheme.kind, scheme.marker) == {"bert": ("wordpiece", "##"), "bpe": ("byte_level", "Ġ"),
+                                            "unigram": ("metaspace", "▁")}[family]
+    sents = _clean_sentences(tok, mrpc)
+    assert len(sents) >= 100
+    backend = tok.backend_tokenizer
+    for s in sents:
+        pieces = tok.convert_ids_to_tokens(tok(s, add_special_tokens=False)["input_ids"])
+        got = [scheme.text([pieces[i] for i in g]) for g in scheme.group(pieces)]
+        if family == "bert":   # BERT's pre-tokenizer words (punctuation apart), lower-cased
+            want = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(
+                backend.normalizer.normalize_str(s))]
+        else:                  # a marker starts a word: the whitespace words come back
+            want = s.split()
+        assert got == want, (s, pieces)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_candidate_words_are_whole_words_decoded_right(family, family_dirs):
+    tok = tokenize.load_tokenizer(family_dirs[family])
+    emb = np.zeros((len(tok), 4), np.float32)
+    aug = augment.Augmenter(tok, mode="embedding", word_embeddings=emb)
+    ok = np.flatnonzero(aug.whole_word)
+    assert len(ok) > 300
+    special = set(tok.all_special_ids)
+    for i in range(len(tok)):
+        piece = tok.convert_ids_to_tokens(i)
+        if family == "bert":
+            whole = not piece.startswith("##")
+        else:
+            whole = piece.startswith({"bpe": "Ġ", "unigram": "▁"}[family])
+        text = tok.decode([i]).strip()   # transformers' own decoding of the piece
+        expect = i not in special and whole and text.isalpha()
+        assert bool(aug.whole_word[i]) == expect, (i, piece, text)
+        if expect:
+            assert aug.id2word[i] == text
+    if family == "bpe":   # byte-level decoding: "Ġ" is the space, "Ã©" is "é"
+        assert all(not w.startswith("Ġ") for w in aug.id2word.values())
+
+
+def test_augment_end_to_end_with_a_random_mlm_on_the_bpe_vocab(bpe_tokenizer_dir, mrpc):
+    tok = tokenize.load_tokenizer(bpe_tokenizer_dir)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=128,
+                     pad_token_id=1)
+    model = BertForMaskedLM(cfg)
+    aug = augment.Augmenter(tok, model, random_params(model, 0), N=4, K=5, p=0.5,
+                            batch_size=32, buckets=(64,))
+    assert tok.mask_token_id == aug.mask_id == 4
+    sents = [e.text_a for e in mrpc[:12]]
+    cands = aug.candidates(sents)
+    single = [w for s in sents for w in s.split() if augment.is_candidate_word(w)
+              and len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1]
+    assert single and sum(len(c) for c in cands) > 0   # the MLM path ran
+    vocab_words = {w.lower() for w in aug.id2word.values()}
+    out = aug.augment_sentences(sents, [(i, 0) for i in range(len(sents))])
+    changed = 0
+    for s, new in zip(sents, out):
+        for n in new:
+            old, got = s.split(), n.split()
+            assert len(old) == len(got)
+            for a, b in zip(old, got):
+                if a != b:
+                    changed += 1
+                    assert b.lower() in vocab_words and b.isalpha(), (a, b)
+    assert changed > 10
