@@ -315,3 +315,24 @@ def test_augment_end_to_end_with_a_random_mlm_on_the_bpe_vocab(bpe_tokenizer_dir
                     changed += 1
                     assert b.lower() in vocab_words and b.isalpha(), (a, b)
     assert changed > 10
+
+
+@pytest.mark.parametrize("family", ("bpe", "unigram"))
+def test_corpus_rows_are_s_chunk_s_and_prepare_matches_the_reference(family, family_dirs,
+                                                                    shared_dir, tmp_path):
+    from jax_tinybert.data import corpus, prepare, prepared
+
+    tok = tokenize.load_data_tokenizer(family_dirs[family])
+    src = shared_dir / "data" / "corpus" / "gutenberg_pg1656_plato_apology_jowett.txt"
+    text = tmp_path / "a.txt"
+    text.write_text("\n".join(src.read_text(encoding="utf-8").splitlines()[:400]))
+    ref = corpus.build_packed_corpus([str(text)], tok, 64, cache_dir=str(tmp_path / "c"))
+    assert len(ref) > 20
+    for i in range(len(ref)):
+        row = ref.input_ids[ref.offsets[i]:ref.offsets[i + 1]].tolist()
+        assert row[0] == 0 and row[-1] == 2   # <s> ... </s>
+    assert ref.pad_id == 1
+    prepare.prepare([str(text)], str(tmp_path / "p"), tok,
+                    prepare.Settings(seq_len=64, dedup=False, rows_per_shard=64))
+    got = prepared.read_rows(str(tmp_path / "p"))
+    assert np.asarray(got.input_ids).tolist() == np.asarray(ref.input_ids).tolist()

@@ -14,8 +14,9 @@ Two candidate sources (`mode`):
 the word-embedding table of any BERT encoder (e.g. the teacher), its vector being the mean of its
 pieces' vectors. Candidates are whole-word vocab entries only (data/words.py: a WordPiece entry
 that is not a "##" piece, a byte-level BPE "Ġ" entry, a SentencePiece "▁" entry, its text
-decoded as the tokenizer decodes it): no special tokens, no non-alphabetic entries. Context-free, so neighbours can be antonyms or other
-inflections ("good" -> "bad", "goodness"), as with the paper's GloVe path for multi-piece words.
+decoded as the tokenizer decodes it): no special tokens, no non-alphabetic entries.
+Context-free, so neighbours can be antonyms or other inflections ("good" -> "bad", "goodness"),
+as with the paper's GloVe path for multi-piece words.
 
 Then N times: each candidate word is replaced, with probability p, by a uniformly drawn
 candidate. Candidates never include the word itself, so "replaced" means "changed".

@@ -3,9 +3,10 @@
 Pieces are produced by an HF fast tokenizer in batches (Rust, multi-threaded); special-token
 assembly (the tokenizer's own layout: BERT's `[CLS] a [SEP] b [SEP]`, RoBERTa's
 `<s> a </s></s> b </s>`) and longest-first truncation happen here, so the number of truncated
-sequences is known exactly. Truncation follows the official BERT/TinyBERT `_truncate_seq_pair` (pop from the
-longer side, from b on ties); HF's Rust "longest_first" differs only on an odd budget split
-between two long sides, where it gives the extra token to b instead of a.
+sequences is known exactly. Truncation follows the official BERT/TinyBERT `_truncate_seq_pair`
+(pop from the longer side, from b on ties) within max_len less the layout's special tokens (3
+for a BERT pair, 4 for RoBERTa's); HF's Rust "longest_first" differs only on an odd budget
+split between two long sides, where it gives the extra token to b instead of a.
 """
 from __future__ import annotations
 
