@@ -11,8 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-from jax_tinybert.data import augment, glue, tokenize, vocab_match, wordpiece, words
-from jax_tinybert.model.modeling import BertConfig, BertForMaskedLM, random_params
+from jax_tinybert.data import (augment, corpus, glue, prepare, prepared, synthetic, tokenize,
+                               trim_vocab, vocab_match, wordpiece, words)
+from jax_tinybert.model import hf
+from jax_tinybert.model.export import export_hf
+from jax_tinybert.model.modeling import BertConfig, BertForMaskedLM, BertModel, random_params
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import tiny_run  # noqa: E402
@@ -142,8 +145,6 @@ def _with_tokenizer(model_dir, tok_dir, out):
 
 def test_a_student_with_the_bpe_tokenizer_is_refused_by_the_cli(tmp_path, tmp_path_factory,
                                                                  bpe_tokenizer_dir):
-    from jax_tinybert.data import synthetic
-
     teacher, cache = tiny_run.shared_dirs(tmp_path_factory)
     (tmp_path / "configs").symlink_to(tiny_run.REPO / "configs")
     shutil.copytree(teacher, tmp_path / "teacher")
@@ -205,8 +206,6 @@ def _wordlevel_70k(out):
 
 
 def test_a_vocab_over_65536_pieces_is_stored_as_uint32(tmp_path):
-    from jax_tinybert.data import corpus, prepare, prepared
-
     tok = tokenize.load_data_tokenizer(_wordlevel_70k(tmp_path / "tok"))
     assert len(tok.get_vocab()) == 70005
     rng = np.random.default_rng(0)
@@ -320,8 +319,6 @@ def test_augment_end_to_end_with_a_random_mlm_on_the_bpe_vocab(bpe_tokenizer_dir
 @pytest.mark.parametrize("family", ("bpe", "unigram"))
 def test_corpus_rows_are_s_chunk_s_and_prepare_matches_the_reference(family, family_dirs,
                                                                     shared_dir, tmp_path):
-    from jax_tinybert.data import corpus, prepare, prepared
-
     tok = tokenize.load_data_tokenizer(family_dirs[family])
     src = shared_dir / "data" / "corpus" / "gutenberg_pg1656_plato_apology_jowett.txt"
     text = tmp_path / "a.txt"
@@ -336,3 +333,64 @@ def test_corpus_rows_are_s_chunk_s_and_prepare_matches_the_reference(family, fam
                     prepare.Settings(seq_len=64, dedup=False, rows_per_shard=64))
     got = prepared.read_rows(str(tmp_path / "p"))
     assert np.asarray(got.input_ids).tolist() == np.asarray(ref.input_ids).tolist()
+
+
+# --------------------------------------------------------------------------- vocabulary trimming
+
+def _random_model(tok_dir, out, vocab_size, pad_id):
+    cfg = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=128,
+                     pad_token_id=pad_id)
+    export_hf(cfg, random_params(BertModel(cfg, add_pooling_layer=True), 0), str(out),
+              tokenizer_dir=str(tok_dir))
+    return str(out)
+
+
+def _check_trimmed(src, out, corpus_text):
+    r = trim_vocab.trim(src, [str(corpus_text)], str(out))
+    old_tok, new_tok = tokenize.load_tokenizer(src), tokenize.load_tokenizer(str(out))
+    assert len(new_tok) == r["vocab_after"] < r["vocab_before"] == len(old_tok)
+    _, old_p = hf.load_pretrained(src)
+    cfg, new_p = hf.load_pretrained(str(out))
+    assert cfg.vocab_size == len(new_tok)
+    old_e = np.asarray(hf.bert_params(old_p)["embeddings"]["word_embeddings"]["embedding"])
+    new_e = np.asarray(hf.bert_params(new_p)["embeddings"]["word_embeddings"]["embedding"])
+    lines = [ln for ln in corpus_text.read_text().splitlines() if ln.strip()]
+    a = old_tok(lines)["input_ids"]
+    b = new_tok(lines)["input_ids"]
+    for x, y in zip(a, b):   # same pieces, same vectors; specials included
+        assert old_tok.convert_ids_to_tokens(x) == new_tok.convert_ids_to_tokens(y)
+        np.testing.assert_array_equal(old_e[x], new_e[y])
+    for name in ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token"):
+        assert getattr(new_tok, name) == getattr(old_tok, name)
+    assert new_tok.pad_token_id == cfg.pad_token_id
+    return r
+
+
+def test_trim_a_unigram_vocab_keeps_the_corpus_pieces_and_their_vectors(
+        unigram_tokenizer_dir, tmp_path, mrpc):
+    n = len(tokenize.load_tokenizer(unigram_tokenizer_dir))
+    src = _random_model(unigram_tokenizer_dir, tmp_path / "m", n, 1)
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(e.text_a for e in mrpc[:60]) + "\n")
+    r = _check_trimmed(src, tmp_path / "t", text)
+    assert r["vocab_after"] < n // 2
+
+
+def test_trim_a_wordpiece_vocab(teacher_dir, tmp_path, mrpc):
+    text = tmp_path / "c.txt"
+    text.write_text("\n".join(e.text_b for e in mrpc[:80]) + "\n")
+    r = _check_trimmed(teacher_dir, tmp_path / "t", text)
+    assert r["vocab_before"] == 30522 and r["vocab_after"] < 3000
+
+
+def test_trim_refuses_bpe_in_one_line(bpe_tokenizer_dir, tmp_path):
+    src = _random_model(bpe_tokenizer_dir, tmp_path / "m", 3000, 1)
+    (tmp_path / "c.txt").write_text("a few words\n")
+    r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.data.trim_vocab", "--model", src,
+                        "--corpus", str(tmp_path / "c.txt"), "--out", str(tmp_path / "t")],
+                       capture_output=True, text=True, env=tiny_run.env(), timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: trim_vocab: a BPE tokenizer cannot be trimmed"), r.stderr
+    assert not (tmp_path / "t").exists()
