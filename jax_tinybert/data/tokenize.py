@@ -24,7 +24,8 @@ from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+# 2: the tokenizer's own special-token layout (a RoBERTa pair cached by 1 had BERT's).
+CACHE_VERSION = 2
 
 
 def load_tokenizer(path_or_name: str):
