@@ -18,7 +18,8 @@ from jax_tinybert.model.export import export_hf
 from jax_tinybert.model.modeling import BertConfig, BertForMaskedLM, BertModel, random_params
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import tiny_run  # noqa: E402
+from helpers import run_files, tiny_run  # noqa: E402
+from jax_tinybert.train import build  # noqa: E402
 
 FAMILIES = ("bert", "bpe", "unigram")
 
@@ -144,14 +145,15 @@ def _with_tokenizer(model_dir, tok_dir, out):
 
 
 def test_a_student_with_the_bpe_tokenizer_is_refused_by_the_cli(tmp_path, tmp_path_factory,
-                                                                 bpe_tokenizer_dir):
+                                                                 bpe_tokenizer_dir, teacher_dir):
+    """The packaged MiniLM teacher (BERT WordPiece) and a student folder (the tiny random
+    model's weights) carrying the byte-level BPE tokenizer."""
     teacher, cache = tiny_run.shared_dirs(tmp_path_factory)
     (tmp_path / "configs").symlink_to(tiny_run.REPO / "configs")
-    shutil.copytree(teacher, tmp_path / "teacher")
     _with_tokenizer(teacher, bpe_tokenizer_dir, tmp_path / "student_bpe")
     synthetic.write_sst2_like(str(tmp_path / "glue"), 32, 16, seed=0)
     args = ["--config=configs/task_distill.py:sst2_intermediate", "--workdir=runs/s",
-            "--config.teacher.path=teacher", "--config.student.path=student_bpe",
+            "--config.teacher.path=packaged", "--config.student.path=student_bpe",
             "--config.data.glue_dir=glue", "--config.train.num_steps=1"]
     r = subprocess.run([tiny_run.PYTHON, "-m", "jax_tinybert.main", *args], cwd=tmp_path,
                        env=tiny_run.env(**tiny_run.cache_env(cache)), capture_output=True,
@@ -161,7 +163,8 @@ def test_a_student_with_the_bpe_tokenizer_is_refused_by_the_cli(tmp_path, tmp_pa
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("error: ") and sum(ln.startswith("error: ") for ln in lines) == 1
     n_bpe = len(tokenize.load_tokenizer(bpe_tokenizer_dir))
-    for needle in ("config.student.path='student_bpe'", "teacher", f"vocab size {n_bpe:,} vs "
+    for needle in ("config.student.path='student_bpe'", f"teacher's ({teacher_dir})",
+                   f"vocab size {n_bpe:,} vs "
                    "the teacher's 30,522", "student.init=teacher_layers", "student.init=random"):
         assert needle in lines[-1], (needle, lines[-1])
     assert not (tmp_path / "runs").exists()
@@ -394,3 +397,18 @@ def test_trim_refuses_bpe_in_one_line(bpe_tokenizer_dir, tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("error: trim_vocab: a BPE tokenizer cannot be trimmed"), r.stderr
     assert not (tmp_path / "t").exists()
+
+
+def test_build_models_refuses_the_bpe_student_too(tmp_path, tmp_path_factory, bpe_tokenizer_dir,
+                                                   teacher_dir):
+    """The same refusal where the config's path check is not run (validate_config(paths=False),
+    the functional API): build_models compares the tokenizers before the vocab sizes."""
+    teacher, _ = tiny_run.shared_dirs(tmp_path_factory)
+    student = _with_tokenizer(teacher, bpe_tokenizer_dir, tmp_path / "student_bpe")
+    c = build.with_defaults(run_files.config("task_distill.py", "sst2_intermediate"))
+    c.teacher.path, c.student.path = "packaged", str(student)
+    with pytest.raises(vocab_match.TokenizerMismatch, match="vocab size 3,000 vs the teacher's "
+                       "30,522"):
+        build.build_models(c, 2, None)
+    c.student.init = "random"   # a fix the message names
+    assert build.build_models(c, 2, None).student_config.vocab_size == 30522
