@@ -11,6 +11,8 @@ import dataclasses
 import json
 from typing import List, Optional, Sequence
 
+from tokenizers import decoders
+
 WORDPIECE, BYTE_LEVEL, METASPACE = "wordpiece", "byte_level", "metaspace"
 
 
@@ -74,8 +76,6 @@ def scheme_of(tokenizer) -> WordScheme:
     if model == "WordPiece":
         marker = getattr(backend.model, "continuing_subword_prefix", "##")
         if decoder is None:
-            from tokenizers import decoders
-
             decoder = decoders.WordPiece(prefix=marker)
         return WordScheme(WORDPIECE, marker, decoder)
     pre = backend.pre_tokenizer
