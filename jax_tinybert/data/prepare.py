@@ -6,7 +6,7 @@
 
 Packing is `corpus.PackedTextStream`'s (the official TinyBERT formats): each document's lines
 are tokenized without special tokens, documents are concatenated with a [SEP] after each, and
-the stream is cut into `[CLS] chunk [SEP]` rows of seq_len tokens (the last may be shorter).
+the stream is cut into `[CLS] chunk [SEP]` rows (RoBERTa: `<s> chunk </s>`) of seq_len tokens.
 Exact duplicate documents are dropped (the first one stays; --keep_duplicates keeps them).
 
 Workers: document i (global reading order) belongs to worker (i // BLOCK) % N. Each worker
@@ -592,7 +592,7 @@ def _load_tokenizer(name: str):
         raise UserError(f"--tokenizer {name}: cannot load it ({type(e).__name__}: {e}); pass a "
                         "folder with tokenizer.json or a model name") from None
     if tok.cls_token_id is None or tok.sep_token_id is None:
-        raise UserError(f"--tokenizer {name}: has no [CLS]/[SEP] tokens; BERT-style only")
+        raise UserError(f"--tokenizer {name}: has no [CLS]/[SEP] (<s>/</s>); BERT/RoBERTa-style only")
     return tok
 
 

@@ -1,10 +1,12 @@
 """Tokenization of GLUE examples into a compact ragged dataset, with an on-disk npz cache.
 
-Pieces are produced by an HF fast tokenizer in batches (Rust, multi-threaded); [CLS]/[SEP]
-assembly and longest-first truncation happen here, so the number of truncated sequences is
-known exactly. Truncation follows the official BERT/TinyBERT `_truncate_seq_pair` (pop from the
-longer side, from b on ties); HF's Rust "longest_first" differs only on an odd budget split
-between two long sides, where it gives the extra token to b instead of a.
+Pieces are produced by an HF fast tokenizer in batches (Rust, multi-threaded); special-token
+assembly (the tokenizer's own layout: BERT's `[CLS] a [SEP] b [SEP]`, RoBERTa's
+`<s> a </s></s> b </s>`) and longest-first truncation happen here, so the number of truncated
+sequences is known exactly. Truncation follows the official BERT/TinyBERT `_truncate_seq_pair`
+(pop from the longer side, from b on ties) within max_len less the layout's special tokens (3
+for a BERT pair, 4 for RoBERTa's); HF's Rust "longest_first" differs only on an odd budget
+split between two long sides, where it gives the extra token to b instead of a.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import dataclasses
 import hashlib
 import io
 import logging
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -22,7 +24,8 @@ from jax_tinybert.progress import Progress
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+# 2: the tokenizer's own special-token layout (a RoBERTa pair cached by 1 had BERT's).
+CACHE_VERSION = 2
 
 
 def load_tokenizer(path_or_name: str):
@@ -43,7 +46,7 @@ def load_data_tokenizer(path_or_name: str):
 
 @dataclasses.dataclass
 class EncodedDataset:
-    """Ragged token ids. Example i is `input_ids[offsets[i]:offsets[i+1]]` (with [CLS]/[SEP]).
+    """Ragged token ids. Example i is `input_ids[offsets[i]:offsets[i+1]]` (with its specials).
 
     `labels`: int32 [n] / float32 [n] / None. Arrays may be numpy memmaps (corpus on disk).
     """
@@ -118,17 +121,92 @@ def truncate_pair(a: List[int], b: Optional[List[int]], max_tokens: int):
     return a[:la], b[:lb], True
 
 
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """The special tokens a tokenizer's post-processor puts around one or two segments:
+    `ids[0] a ids[1]` (single) or `ids[0] a ids[1] b ids[2]` (pair), `types` likewise, and
+    `seg_types` the token type of a (and b). BERT: `[CLS] a [SEP] b [SEP]`, types 0/1;
+    RoBERTa / XLM-R: `<s> a </s></s> b </s>`, types all 0."""
+
+    ids: Tuple[Tuple[int, ...], ...]
+    types: Tuple[Tuple[int, ...], ...]
+    seg_types: Tuple[int, ...]
+
+    @property
+    def num_special(self) -> int:
+        return sum(len(p) for p in self.ids)
+
+    def build(self, a: List[int], b: Optional[List[int]] = None):
+        """-> (ids, token types) of the segment(s) with their special tokens."""
+        segs = [a] if b is None else [a, b]
+        ids, tt = list(self.ids[0]), list(self.types[0])
+        for k, seg in enumerate(segs):
+            ids += seg + list(self.ids[k + 1])
+            tt += [self.seg_types[k]] * len(seg) + list(self.types[k + 1])
+        return ids, tt
+
+
+def _sentinels(backend):
+    """Encodings of two short texts without special tokens, the backend's fixed padding /
+    truncation (a saved tokenizer.json may carry them) off for the call and restored after."""
+    pad, trunc = backend.padding, backend.truncation
+    backend.no_padding()
+    backend.no_truncation()
+    try:
+        return [backend.encode(t, add_special_tokens=False) for t in ("a", "b")]
+    finally:
+        if pad:
+            backend.enable_padding(**{k: v for k, v in pad.items()})
+        if trunc:
+            backend.enable_truncation(**trunc)
+
+
+def special_template(tokenizer, pair: bool) -> Template:
+    """The tokenizer's own special-token layout, read off its Rust post-processor applied to
+    two sentinel segments (what `tokenizer(a, b)` itself does; `special_tokens_mask` tells
+    the added tokens). ValueError when it adds no special tokens (no [CLS]-like first token)."""
+    backend = tokenizer.backend_tokenizer
+    segs = _sentinels(backend)[:2 if pair else 1]
+    proc = backend.post_processor
+    if proc is None:
+        raise ValueError(f"{getattr(tokenizer, 'name_or_path', tokenizer)}: the tokenizer adds no "
+                         "special tokens (no post-processor); need a BERT/RoBERTa-style one")
+    enc = proc.process(segs[0], segs[1] if pair else None, add_special_tokens=True)
+    ids, tts, special = enc.ids, enc.type_ids, enc.special_tokens_mask
+    parts, types, seg_types, i = [], [], [], 0
+    for k in range(len(segs) + 1):
+        j = i
+        while j < len(ids) and special[j]:
+            j += 1
+        parts.append(tuple(ids[i:j]))
+        types.append(tuple(tts[i:j]))
+        if k < len(segs):
+            n = len(segs[k].ids)
+            if ids[j:j + n] != segs[k].ids:
+                raise ValueError(f"{getattr(tokenizer, 'name_or_path', tokenizer)}: cannot read "
+                                 "the special-token layout off its post-processor")
+            seg_types.append(tts[j] if n else 0)
+            j += n
+        i = j
+    if i != len(ids) or not parts[0]:
+        raise ValueError(f"{getattr(tokenizer, 'name_or_path', tokenizer)}: the post-processor "
+                         "adds no first special token; need a BERT/RoBERTa-style tokenizer")
+    return Template(tuple(parts), tuple(types), tuple(seg_types))
+
+
 def encode_texts(tokenizer, texts_a: Sequence[str], texts_b: Optional[Sequence[Optional[str]]],
                  max_len: int, labels=None, batch_size: int = 4096,
                  desc: str = "tokenize") -> EncodedDataset:
-    """Tokenizes (pairs of) texts in batches into `[CLS] a [SEP] (b [SEP])`, truncated to
-    max_len tokens longest-first. Logs how many were truncated; progress under `desc`."""
-    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
-    if cls_id is None or sep_id is None:
-        raise ValueError("tokenizer has no [CLS]/[SEP] tokens; BERT-style tokenizers only")
+    """Tokenizes (pairs of) texts in batches with the tokenizer's own special-token layout
+    (`special_template`: `[CLS] a [SEP] (b [SEP])` for BERT, `<s> a </s>(</s> b </s>)` for
+    RoBERTa / XLM-R), truncated to max_len tokens longest-first. Logs how many were truncated;
+    progress under `desc`."""
     pad_id = tokenizer.pad_token_id or 0
     n = len(texts_a)
     pair = texts_b is not None and any(t is not None for t in texts_b)
+    templates = {False: special_template(tokenizer, False)}
+    if pair:
+        templates[True] = special_template(tokenizer, True)
     ids_parts, tt_parts, lens = [], [], np.zeros(n, np.int64)
     truncated = 0
     prog = Progress(desc, total=n, unit="ex")
@@ -139,13 +217,10 @@ def encode_texts(tokenizer, texts_a: Sequence[str], texts_b: Optional[Sequence[O
                         return_attention_mask=False, return_token_type_ids=False, verbose=False)["input_ids"]
               if pair else [None] * len(ea))
         for j, (a, b) in enumerate(zip(ea, eb)):
-            a, b, cut = truncate_pair(a, b, max_len - (3 if b is not None else 2))
+            t = templates[b is not None]
+            a, b, cut = truncate_pair(a, b, max_len - t.num_special)
             truncated += cut
-            seq = [cls_id] + a + [sep_id]
-            tt = [0] * len(seq)
-            if b is not None:
-                seq += b + [sep_id]
-                tt += [1] * (len(b) + 1)
+            seq, tt = t.build(a, b)
             ids_parts.append(np.asarray(seq, np.int32))
             tt_parts.append(np.asarray(tt, np.int8))
             lens[s + j] = len(seq)

@@ -12,8 +12,7 @@ Everything that trains, plans or benchmarks a step goes through `build_step`, so
     build_optimizer                config.optim -> (optax transform, lr schedule)
     student_module / teacher_module  the flax modules with the config's dtype / remat / head
     build_step                     shardings of state and teacher, jitted train and eval steps
-    build_run                      all of the above for one stage, plus the teacher cache (built
-                                   on first use: Run.ensure_cache)
+    build_run                      all of the above, plus the teacher cache (Run.ensure_cache)
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ from jax_tinybert.teacher import cache as teacher_cache, store as teacher_store
 from jax_tinybert.teacher import (fingerprint as teacher_fingerprint, stream as teacher_stream,
                                   training as teacher_training)
 from jax_tinybert.config.check import DTYPES, ConfigValueError, owned_by_a_run, record_speed
-from jax_tinybert.data import batching, corpus, glue, reader, synthetic, tokenize
+from jax_tinybert.data import batching, corpus, glue, reader, synthetic, tokenize, vocab_match
 from jax_tinybert.model.hf import load_pretrained, resolve_path
 from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, BertModel
 from jax_tinybert import speed
@@ -137,10 +136,11 @@ def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
                                                 config.train.seed)
     if id2label:
         scfg = scfg.replace(id2label=dict(id2label), num_labels=num_labels)
+    if sc.init == "pretrained":   # a folder of its own: its tokenizer must be the teacher's
+        vocab_match.check_student(tpath, path)
     if teacher_config is not None and scfg.vocab_size != teacher_config.vocab_size:
         raise ConfigValueError(f"student vocab_size {scfg.vocab_size} != teacher vocab_size "
-                               f"{teacher_config.vocab_size}: distillation feeds both the same "
-                               "token ids; use a student built on the teacher's tokenizer")
+                               f"{teacher_config.vocab_size}: {vocab_match.FIX}")
     sparams = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), sparams)
     return Models(student_module(config, scfg), scfg, sparams, teacher, teacher_config,
                   teacher_params, tpath)
