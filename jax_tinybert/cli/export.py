@@ -25,6 +25,7 @@ from jax_tinybert.train.checkpoints import Checkpointer
 from jax_tinybert.data import glue
 from jax_tinybert.errors import PathError, tool_exit
 from jax_tinybert.model.export import export_hf, student_tree
+from jax_tinybert.model import families
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def export_from_workdir(workdir: str, out: str, which: str = "best") -> str:
     step, state, _ = got
     params = state["params"] if isinstance(state, dict) else state.params
     student = student_tree(params)
-    num_labels = int(student["classifier"]["kernel"].shape[-1]) if "classifier" in student else 2
+    num_labels = families.head_labels(student["classifier"]) if "classifier" in student else 2
     config, id2label, tokenizer_dir, encoder_only = _student_config(workdir, num_labels)
     if encoder_only:  # general distillation: the head was never trained (as train.py exports)
         student = student["bert"]

@@ -10,6 +10,8 @@ from jax_tinybert.fs import write_json_atomic
 
 # The HF activation names the model implements exactly ("gelu" in HF BERT is the exact erf GELU).
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
+# The encoder families the model implements (model/families.py).
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra")
 
 
 class ConfigError(UserError, ValueError):
@@ -39,6 +41,8 @@ class BertConfig:
     num_labels: int = 2
     id2label: Optional[dict] = None
     problem_type: Optional[str] = None
+    model_type: str = "bert"           # one of MODEL_TYPES (model/families.py)
+    embedding_size: Optional[int] = None   # ELECTRA: embedding tables' width; None = hidden_size
     extra: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -60,6 +64,13 @@ class BertConfig:
             raise ConfigError(
                 f"{source}: field 'hidden_act' is {self.hidden_act!r}; expected one of "
                 f"{sorted(ACTIVATIONS)}")
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(f"{source}: field 'model_type' is {self.model_type!r}; jax_tinybert "
+                              f"loads {', '.join(MODEL_TYPES)} checkpoints")
+        if self.embedding_size is not None and (not isinstance(self.embedding_size, int)
+                                                or self.embedding_size <= 0):
+            raise ConfigError(f"{source}: field 'embedding_size' must be a positive integer, "
+                              f"got {self.embedding_size!r}")
         if not isinstance(self.num_labels, int) or self.num_labels < 1:
             raise ConfigError(f"{source}: field 'num_labels' must be >= 1 (1 = regression), "
                               f"got {self.num_labels!r}")
@@ -87,10 +98,9 @@ class BertConfig:
             if "num_labels" not in d and len(kw["id2label"]) != kw["num_labels"]:
                 kw["num_labels"] = len(kw["id2label"])
         d.pop("label2id", None)
-        model_type = d.get("model_type", "bert")
-        if model_type not in ("bert",):
-            raise ConfigError(f"{source}: field 'model_type' is {model_type!r}; jax_tinybert "
-                              "loads BERT checkpoints only (model_type 'bert')")
+        kw.setdefault("model_type", "bert")
+        if kw.get("embedding_size") == kw.get("hidden_size", cls.hidden_size):
+            kw["embedding_size"] = None
         obj = cls.__new__(cls)
         for f in dataclasses.fields(cls):
             if f.name in kw:
@@ -118,7 +128,10 @@ class BertConfig:
             if f.name == "extra":
                 continue
             d[f.name] = getattr(self, f.name)
-        d["model_type"] = "bert"
+        if self.model_type == "electra":   # HF's ELECTRA default is 128, not hidden_size
+            d["embedding_size"] = self.embedding_size or self.hidden_size
+        elif self.embedding_size is None:
+            d.pop("embedding_size")
         if self.id2label is None:
             d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
         else:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.model import hf
+from jax_tinybert.model import families, hf
 from jax_tinybert.model.modeling import (BertConfig, BertForMaskedLM, BertForSequenceClassification,
                                    init_params)
 
@@ -119,7 +119,7 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
         raise ValueError(f"export_hf: unexpected top-level params {sorted(unknown)}; expected "
                          "BertModel params or {'bert', 'classifier'}")
     if classification:
-        n = int(tree["classifier"]["kernel"].shape[-1])
+        n = families.head_labels(tree["classifier"])
         if n != config.num_labels:
             config = config.replace(num_labels=n, id2label=None)
     if id2label is not None:
@@ -131,12 +131,18 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
     _check_shapes(config, tree, classification)
 
     cfg = config.to_dict()
-    cfg["architectures"] = ["BertForSequenceClassification" if classification else "BertModel"]
-    cfg["model_type"] = "bert"
+    stem = families.of(config).class_stem
+    cfg["architectures"] = [f"{stem}ForSequenceClassification" if classification else f"{stem}Model"]
     if classification and config.num_labels == 1:
         cfg.setdefault("problem_type", "regression")
-    torch_state = hf.params_to_torch_state_dict(tree)
-    return _write_folder(out_dir, cfg, tree, torch_state, tokenizer_dir)
+    return _write_hf(config, out_dir, cfg, tree, tokenizer_dir)
+
+
+def _write_hf(config: BertConfig, out_dir: str, cfg: dict, tree: dict,
+              tokenizer_dir: Optional[str]) -> str:
+    """Our tree renamed to the family's HF layout (families.to_hf), written as both weights."""
+    tree = families.rename(tree, families.to_hf, families.of(config))
+    return _write_folder(out_dir, cfg, tree, hf.params_to_torch_state_dict(tree), tokenizer_dir)
 
 
 def _export_mlm(config: BertConfig, tree: dict, out_dir: str, tokenizer_dir: Optional[str]) -> str:
@@ -150,11 +156,14 @@ def _export_mlm(config: BertConfig, tree: dict, out_dir: str, tokenizer_dir: Opt
     hf._check_against(jax.eval_shape(lambda: init_params(
         BertForMaskedLM(config), jax.random.PRNGKey(0)))["cls"], tree["cls"], "export params",
         "masked-LM head")
+    fam = families.of(config)
+    if not fam.mlm_prefix:
+        raise ValueError(f"export_hf: {config.model_type} models have no masked-LM head class "
+                         "to export to")
     cfg = config.replace(id2label=None).to_dict()
-    cfg["architectures"] = ["BertForMaskedLM"]
-    cfg["model_type"] = "bert"
+    cfg["architectures"] = [f"{fam.class_stem}ForMaskedLM"]
     cfg["tie_word_embeddings"] = True
-    return _write_folder(out_dir, cfg, tree, hf.params_to_torch_state_dict(tree), tokenizer_dir)
+    return _write_hf(config, out_dir, cfg, tree, tokenizer_dir)
 
 
 def _write_folder(out_dir: str, cfg: dict, tree: dict, torch_state: dict,

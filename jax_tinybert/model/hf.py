@@ -15,6 +15,7 @@ import numpy as np
 
 from jax_tinybert import fs
 from jax_tinybert.errors import PathError, UserError
+from jax_tinybert.model import families
 from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, init_classifier,
                                    init_params)
 
@@ -54,7 +55,8 @@ def _unflatten(flat: Dict[Tuple[str, ...], np.ndarray]) -> dict:
 
 def _torch_key_to_path(key: str) -> Optional[Tuple[Tuple[str, ...], bool]]:
     """'bert.encoder.layer.0.attention.self.query.weight' -> (path, transpose) or None if ignored."""
-    if key.endswith(("position_ids", "token_type_ids")) or key.startswith("cls.seq_relationship"):
+    if key.endswith(("position_ids", "token_type_ids")) or key.startswith("cls.seq_relationship") \
+            or key in ("lm_head.decoder.weight", "lm_head.decoder.bias"):   # tied / = lm_head.bias
         return None
     parts = key.split(".")
     leaf = parts[-1]
@@ -62,7 +64,7 @@ def _torch_key_to_path(key: str) -> Optional[Tuple[Tuple[str, ...], bool]]:
     last_mod = mods[-1] if mods else ""
     if last_mod.endswith("_embeddings") and leaf == "weight":
         return tuple(mods) + ("embedding",), False
-    if last_mod == "LayerNorm" or leaf in ("gamma", "beta"):
+    if last_mod in ("LayerNorm", "layer_norm") or leaf in ("gamma", "beta"):
         name = {"weight": "scale", "gamma": "scale", "bias": "bias", "beta": "bias"}[leaf]
         return tuple(mods) + (name,), False
     if key == "cls.predictions.bias" or key == "cls.predictions.decoder.bias":
@@ -109,9 +111,9 @@ def params_to_torch_state_dict(params: dict) -> Dict[str, np.ndarray]:
             out[f"{mods}.weight"] = np.ascontiguousarray(v.T)
         elif leaf == "scale":
             out[f"{mods}.weight"] = v
-        elif path == ("cls", "predictions", "bias"):
-            out["cls.predictions.bias"] = v
-            out["cls.predictions.decoder.bias"] = v
+        elif path in (("cls", "predictions", "bias"), ("lm_head", "bias")):
+            out[f"{mods}.bias"] = v
+            out[f"{mods}.decoder.bias"] = v   # PyTorch's tied decoder holds the bias too
         else:
             out[f"{mods}.{leaf}"] = v
     return out
@@ -281,7 +283,10 @@ def load_pretrained(path_or_name: str, *, for_classification: Optional[bool] = N
                                 f"and one of {', '.join(WEIGHT_FILES)}")
     config = BertConfig.from_json_file(cfg_path)
     raw, weights_path = _raw_weights(folder)
-    bert, classifier, mlm = _split_layout(raw)
+    if "params" in raw and len(raw) == 1:  # a msgpack saved with the linen wrapper
+        raw = dict(raw["params"])
+    bert, classifier, mlm = _split_layout(
+        families.rename(raw, families.from_hf, families.of(config)))
     if num_labels is not None and num_labels != config.num_labels:
         config = config.replace(num_labels=num_labels, id2label=None)
         classifier = None

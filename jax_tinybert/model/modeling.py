@@ -8,6 +8,7 @@ mask, softmax and dropout, which HF's `output_attentions` (post-softmax) cannot 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable, Optional, Tuple, Union
 
 import flax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tinybert.speed.dropout import Dropout
+from jax_tinybert.model import families
 from jax_tinybert.model.config import ACTIVATIONS, BertConfig, ConfigError  # noqa: F401
 
 Array = jax.Array
@@ -171,15 +173,19 @@ class BertEmbeddings(_BertModule):
         # `dtype`. A table cast to bfloat16 first makes its gradient a bfloat16 scatter-add: on a
         # GPU that serialises on every repeated id (padding, [CLS]; 119 of a 137 ms step on an
         # H200, benchmarks/RESULTS.md#on-a-gpu) and its sums stop growing past 256 equal terms.
-        def embed(n, name):
-            return nn.Embed(n, c.hidden_size, embedding_init=init, dtype=self.param_dtype,
-                            param_dtype=self.param_dtype, name=name)
-
-        word = embed(c.vocab_size, "word_embeddings")(input_ids)
-        pos = embed(c.max_position_embeddings, "position_embeddings")(position_ids)
-        tok = embed(c.type_vocab_size, "token_type_embeddings")(token_type_ids)
+        E = c.embedding_size or c.hidden_size
+        embed = functools.partial(nn.Embed, features=E, embedding_init=init, dtype=self.param_dtype,
+                                  param_dtype=self.param_dtype)
+        word = embed(c.vocab_size, name="word_embeddings")(input_ids)
+        # position_ids are 0-based; RoBERTa's table starts past its padding index.
+        if families.of(c).position_offset:
+            position_ids = position_ids + (c.pad_token_id + 1)
+        pos = embed(c.max_position_embeddings, name="position_embeddings")(position_ids)
+        tok = embed(c.type_vocab_size, name="token_type_embeddings")(token_type_ids)
         h = self._layer_norm()(word + pos + tok)
-        return Dropout(rate=c.hidden_dropout_prob)(h, deterministic=deterministic)
+        h = Dropout(rate=c.hidden_dropout_prob)(h, deterministic=deterministic)
+        # ELECTRA's narrower tables: hidden_states[0] is the projection, as HF's.
+        return h if E == c.hidden_size else self._dense(c.hidden_size, "embeddings_project")(h)
 
 
 class _DenseParams(_BertModule):
@@ -423,7 +429,11 @@ class BertModel(_BertModule):
                  deterministic: bool = True, attention_logits: LayerSelection = True,
                  cls_only: bool = False, cls_positions=None, qkv_layers: LayerSelection = None):
         attention_mask, token_type_ids = _default_inputs(input_ids, attention_mask, token_type_ids)
-        if position_ids is None:
+        if position_ids is None and families.of(self.config).position_offset:
+            # HF RoBERTa's numbering of real tokens (0-based here; pads get -1 -> pad_token_id).
+            real = (input_ids != self.config.pad_token_id).astype(jnp.int32)
+            position_ids = jnp.cumsum(real, axis=-1) * real - 1
+        elif position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
         h = BertEmbeddings(**self._shared(), name="embeddings")(
             input_ids, token_type_ids, position_ids, deterministic)
@@ -443,7 +453,7 @@ class BertModel(_BertModule):
                                           name="encoder")(h, mask_bias, deterministic, sel,
                                                           cls_only, cls_positions, qkv_sel)
         pooled = None
-        if self.add_pooling_layer:
+        if self.add_pooling_layer and families.of(self.config).pooler:
             last = hidden[-1]
             if cls_positions is None:
                 rows = last[:, 0]
@@ -470,12 +480,30 @@ class BertForSequenceClassification(_BertModule):
         out = BertModel(**self._shared(), add_pooling_layer=True, remat=self.remat, name="bert")(
             input_ids, attention_mask, token_type_ids, position_ids, deterministic,
             attention_logits, cls_only, cls_positions, qkv_layers)
+        if not families.of(self.config).pooler:   # RoBERTa / ELECTRA: the first token's row
+            last = out.hidden_states[-1]
+            rows = last[:, 0] if cls_positions is None else \
+                (last if cls_only else query_rows(last, cls_positions))
+            logits = _FirstTokenHead(**self._shared(), name="classifier")(rows, deterministic)
+            return out.replace(logits=logits.astype(jnp.float32))
         x = out.pooled
         if self.head_relu:
             x = jax.nn.relu(x)
         x = Dropout(rate=self.config.hidden_dropout_prob)(x, deterministic=deterministic)
         logits = self._dense(self.config.num_labels, "classifier")(x)
         return out.replace(logits=logits.astype(jnp.float32))
+
+
+class _FirstTokenHead(_BertModule):
+    """RoBERTa's / ELECTRA's classifier: dropout, dense (tanh / gelu), dropout, out_proj:
+    rows [..., D] -> logits [..., C]."""
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        c, drop = self.config, Dropout(rate=self.config.hidden_dropout_prob)
+        x = self._dense(c.hidden_size, "dense")(drop(x, deterministic=deterministic))
+        x = _ACTIVATIONS[families.of(c).head_activation](x)
+        return self._dense(c.num_labels, "out_proj")(drop(x, deterministic=deterministic))
 
 
 class BertForMaskedLM(_BertModule):
@@ -560,6 +588,8 @@ def init_classifier(config: BertConfig, rng: Array) -> dict:
     """A new classification head {"kernel": [D, num_labels], "bias": [num_labels]} with the
     distribution `init_params` gives it (N(0, initializer_range), zero bias), without building
     the encoder (a full random init of a 30k-row vocabulary costs seconds on a CPU)."""
+    if not families.of(config).pooler:
+        return _FirstTokenHead(config).init(rng, jnp.zeros((1, config.hidden_size)))["params"]
     head = nn.Dense(config.num_labels, kernel_init=_dense_init(config), name="classifier")
     return head.init(rng, jnp.zeros((1, config.hidden_size), jnp.float32))["params"]
 

@@ -39,12 +39,15 @@ def from_teacher_layers(sc, tcfg: BertConfig, tparams: dict, num_labels: int,
 
 
 def random_student(sc, tcfg: BertConfig, num_labels: int, seed: int) -> Tuple[BertConfig, dict]:
-    """A student of `sc`'s shape (layers, width, heads, FFN) on the teacher's vocabulary and
-    positions, with HF's initial distribution (`modeling.random_params`)."""
+    """A student of `sc`'s shape (layers, width, heads, FFN) of the teacher's family, on its
+    vocabulary and positions (padding index, activation, LayerNorm epsilon), with HF's initial
+    distribution (`modeling.random_params`). An ELECTRA student's tables are as wide as it is."""
     scfg = BertConfig(vocab_size=tcfg.vocab_size, hidden_size=sc.hidden_size,
                       num_hidden_layers=sc.num_hidden_layers,
                       num_attention_heads=sc.num_attention_heads,
                       intermediate_size=sc.intermediate_size,
                       max_position_embeddings=tcfg.max_position_embeddings,
-                      type_vocab_size=tcfg.type_vocab_size, num_labels=num_labels)
+                      type_vocab_size=tcfg.type_vocab_size, num_labels=num_labels,
+                      model_type=tcfg.model_type, pad_token_id=tcfg.pad_token_id,
+                      hidden_act=tcfg.hidden_act, layer_norm_eps=tcfg.layer_norm_eps)
     return scfg, random_params(BertForSequenceClassification(scfg), seed)
