@@ -291,11 +291,12 @@ def test_candidate_words_are_whole_words_decoded_right(family, family_dirs):
         assert all(not w.startswith("Ġ") for w in aug.id2word.values())
 
 
-def test_augment_end_to_end_with_a_random_mlm_on_the_bpe_vocab(bpe_tokenizer_dir, mrpc):
+def test_augment_end_to_end_with_a_random_roberta_mlm_on_the_bpe_vocab(bpe_tokenizer_dir, mrpc):
+    """A RoBERTa-family MLM (positions past the padding index, lm_head) behind `<mask>`."""
     tok = tokenize.load_tokenizer(bpe_tokenizer_dir)
     cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
-                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=128,
-                     pad_token_id=1)
+                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=130,
+                     pad_token_id=1, type_vocab_size=1, model_type="roberta")
     model = BertForMaskedLM(cfg)
     aug = augment.Augmenter(tok, model, random_params(model, 0), N=4, K=5, p=0.5,
                             batch_size=32, buckets=(64,))
