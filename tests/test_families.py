@@ -1,4 +1,4 @@
-"""RoBERTa, XLM-RoBERTa and ELECTRA teachers and students: the one model against transformers'
+"""RoBERTa, XLM-RoBERTa, ELECTRA and DistilBERT teachers and students: the one model against transformers'
 PyTorch classes of each family (random weights of small configs made here), and the export back
 to each family's own PyTorch and Flax classes."""
 import json
@@ -26,6 +26,8 @@ FAMILIES = {
     "xlm-roberta": (transformers.XLMRobertaConfig, dict(max_position_embeddings=66,
                                                         pad_token_id=1, type_vocab_size=1),
                     "XLMRobertaForSequenceClassification", "XLMRobertaForMaskedLM"),
+    "distilbert": (transformers.DistilBertConfig, dict(max_position_embeddings=64, pad_token_id=0),
+                   "DistilBertForSequenceClassification", "DistilBertForMaskedLM"),
     "electra": (transformers.ElectraConfig, dict(max_position_embeddings=64, embedding_size=32,
                                                  pad_token_id=0), "ElectraForSequenceClassification",
                 None),
@@ -35,8 +37,15 @@ FAMILIES = {
 def _torch_model(family, kind, seed=0):
     cfg_cls, extra, cls_name, mlm_name = FAMILIES[family]
     torch.manual_seed(seed)
+    fields = dict(SMALL)
+    if family == "distilbert":   # its own names of the same fields
+        fields.update(dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0,
+                      attention_dropout=0.0, seq_classif_dropout=0.0)
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "hidden_dropout_prob", "attention_probs_dropout_prob"):
+            del fields[k]
     model = getattr(transformers, cls_name if kind == "cls" else mlm_name)(
-        cfg_cls(**SMALL, **extra)).eval()
+        cfg_cls(**fields, **extra)).eval()
     with torch.no_grad():   # off HF's init (unit LayerNorms, zero biases): names must matter
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -100,14 +109,15 @@ def test_export_loads_in_the_familys_pytorch_and_flax_classes(family, tmp_path):
                                atol=1e-5)
     flax_model = getattr(transformers, "Flax" + cls_name).from_pretrained(out)
     # Token types given: HF's FlaxElectra defaults them to ones (its PyTorch class to zeros).
-    logits = flax_model(ids, attention_mask=mask, token_type_ids=np.zeros_like(ids)).logits
+    types = {} if family == "distilbert" else {"token_type_ids": np.zeros_like(ids)}
+    logits = flax_model(ids, attention_mask=mask, **types).logits
     np.testing.assert_allclose(np.asarray(logits), ours, atol=1e-5)
     again, p2 = load_pretrained(out)                 # and our own loader reads it back
     assert again.model_type == family
     jax.tree_util.tree_map(np.testing.assert_array_equal, p2, params)
 
 
-@pytest.mark.parametrize("family", ["roberta", "xlm-roberta"])
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta", "distilbert"])
 def test_masked_lm_head_matches_and_exports(family, tmp_path):
     model = _torch_model(family, "mlm", seed=2)
     model.save_pretrained(tmp_path / "m")
@@ -145,7 +155,7 @@ def test_an_unsupported_model_type_is_one_line(tmp_path):
                    intermediate_size=16).to_dict()
     d["model_type"] = "gpt2"
     with pytest.raises(ConfigError, match="model_type' is 'gpt2'.*bert, roberta, xlm-roberta, "
-                                          "electra") as e:
+                                          "electra, distilbert") as e:
         BertConfig.from_dict(d, source="x/config.json")
     assert "\n" not in str(e.value)
 

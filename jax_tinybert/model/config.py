@@ -11,7 +11,12 @@ from jax_tinybert.fs import write_json_atomic
 # The HF activation names the model implements exactly ("gelu" in HF BERT is the exact erf GELU).
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
 # The encoder families the model implements (model/families.py).
-MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra")
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert")
+# DistilBERT's config.json names of BERT's fields.
+DISTILBERT_FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers",
+                     "n_heads": "num_attention_heads", "hidden_dim": "intermediate_size",
+                     "activation": "hidden_act", "dropout": "hidden_dropout_prob",
+                     "attention_dropout": "attention_probs_dropout_prob"}
 
 
 class ConfigError(UserError, ValueError):
@@ -90,6 +95,9 @@ class BertConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "BertConfig":
         d = dict(d)
+        if d.get("model_type") == "distilbert":
+            d.update({ours: d.pop(theirs) for theirs, ours in DISTILBERT_FIELDS.items()
+                      if theirs in d})
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kw = {k: d.pop(k) for k in list(d) if k in names}
         if "id2label" in kw and kw["id2label"] is not None:
@@ -128,6 +136,9 @@ class BertConfig:
             if f.name == "extra":
                 continue
             d[f.name] = getattr(self, f.name)
+        if self.model_type == "distilbert":
+            d.update({theirs: d.pop(ours) for theirs, ours in DISTILBERT_FIELDS.items()})
+            d.pop("type_vocab_size")
         if self.model_type == "electra":   # HF's ELECTRA default is 128, not hidden_size
             d["embedding_size"] = self.embedding_size or self.hidden_size
         elif self.embedding_size is None:

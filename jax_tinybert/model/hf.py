@@ -56,7 +56,8 @@ def _unflatten(flat: Dict[Tuple[str, ...], np.ndarray]) -> dict:
 def _torch_key_to_path(key: str) -> Optional[Tuple[Tuple[str, ...], bool]]:
     """'bert.encoder.layer.0.attention.self.query.weight' -> (path, transpose) or None if ignored."""
     if key.endswith(("position_ids", "token_type_ids")) or key.startswith("cls.seq_relationship") \
-            or key in ("lm_head.decoder.weight", "lm_head.decoder.bias"):   # tied / = lm_head.bias
+            or key in ("lm_head.decoder.weight", "lm_head.decoder.bias",   # tied / = lm_head.bias
+                       "vocab_projector.weight"):
         return None
     parts = key.split(".")
     leaf = parts[-1]
@@ -64,7 +65,7 @@ def _torch_key_to_path(key: str) -> Optional[Tuple[Tuple[str, ...], bool]]:
     last_mod = mods[-1] if mods else ""
     if last_mod.endswith("_embeddings") and leaf == "weight":
         return tuple(mods) + ("embedding",), False
-    if last_mod in ("LayerNorm", "layer_norm") or leaf in ("gamma", "beta"):
+    if last_mod == "LayerNorm" or last_mod.endswith("layer_norm") or leaf in ("gamma", "beta"):
         name = {"weight": "scale", "gamma": "scale", "bias": "bias", "beta": "bias"}[leaf]
         return tuple(mods) + (name,), False
     if key == "cls.predictions.bias" or key == "cls.predictions.decoder.bias":
@@ -111,7 +112,7 @@ def params_to_torch_state_dict(params: dict) -> Dict[str, np.ndarray]:
             out[f"{mods}.weight"] = np.ascontiguousarray(v.T)
         elif leaf == "scale":
             out[f"{mods}.weight"] = v
-        elif path in (("cls", "predictions", "bias"), ("lm_head", "bias")):
+        elif path in (("cls", "predictions", "bias"), ("lm_head", "bias")):   # not DistilBERT's
             out[f"{mods}.bias"] = v
             out[f"{mods}.decoder.bias"] = v   # PyTorch's tied decoder holds the bias too
         else:

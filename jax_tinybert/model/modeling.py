@@ -181,8 +181,9 @@ class BertEmbeddings(_BertModule):
         if families.of(c).position_offset:
             position_ids = position_ids + (c.pad_token_id + 1)
         pos = embed(c.max_position_embeddings, name="position_embeddings")(position_ids)
-        tok = embed(c.type_vocab_size, name="token_type_embeddings")(token_type_ids)
-        h = self._layer_norm()(word + pos + tok)
+        if families.of(c).token_types:
+            word = word + embed(c.type_vocab_size, name="token_type_embeddings")(token_type_ids)
+        h = self._layer_norm()(word + pos)
         h = Dropout(rate=c.hidden_dropout_prob)(h, deterministic=deterministic)
         # ELECTRA's narrower tables: hidden_states[0] is the projection, as HF's.
         return h if E == c.hidden_size else self._dense(c.hidden_size, "embeddings_project")(h)
@@ -495,13 +496,15 @@ class BertForSequenceClassification(_BertModule):
 
 
 class _FirstTokenHead(_BertModule):
-    """RoBERTa's / ELECTRA's classifier: dropout, dense (tanh / gelu), dropout, out_proj:
-    rows [..., D] -> logits [..., C]."""
+    """RoBERTa's / ELECTRA's classifier: dropout, dense (tanh / gelu), dropout, out_proj;
+    DistilBERT's: pre_classifier, ReLU, dropout, classifier: rows [..., D] -> logits [..., C]."""
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
         c, drop = self.config, Dropout(rate=self.config.hidden_dropout_prob)
-        x = self._dense(c.hidden_size, "dense")(drop(x, deterministic=deterministic))
+        if families.of(c).head_dropout_first:
+            x = drop(x, deterministic=deterministic)
+        x = self._dense(c.hidden_size, "dense")(x)
         x = _ACTIVATIONS[families.of(c).head_activation](x)
         return self._dense(c.num_labels, "out_proj")(drop(x, deterministic=deterministic))
 
@@ -509,9 +512,7 @@ class _FirstTokenHead(_BertModule):
 class BertForMaskedLM(_BertModule):
     """BERT + MLM head (decoder tied to the word embeddings). Params match HF `FlaxBertForMaskedLM`.
 
-    `logits` is [B, T, vocab]. Used by TinyBERT data augmentation.
-    """
-
+    `logits` is [B, T, vocab]. Used by TinyBERT data augmentation."""
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
