@@ -83,3 +83,11 @@ def test_predict_picks_the_best_span_over_windows_by_example_id(teacher_dir):
     assert texts == {"q0": "three dogs", "q1": "short"}
     assert diffs["q0"] == pytest.approx(-10.0)     # null score 0 (start[0] + end[0]) - 10
     assert Q.squad_v1(texts, ex)["exact_match"] == 100.0
+
+
+def test_v1_keeps_golds_that_normalise_to_nothing_as_the_official_script():
+    # evaluate-v1.1.py: exact compares normalised strings ("" == ""), f1 has no common tokens
+    from jax_tinybert.data.squad import QAExample
+    from jax_tinybert.train import qa_metrics
+    ex = [QAExample("q", "t", "the cat", "?", ("the",), (0,))]
+    assert qa_metrics.squad_v1({"q": "The"}, ex) == {"exact_match": 100.0, "f1": 0.0}

@@ -148,3 +148,55 @@ def test_hf_reader_through_a_fake_loader(monkeypatch):
     ex = squad.read_hf_squad("squad_v2", "dev")
     assert seen == {"name": "squad_v2", "split": "validation"}
     assert [e.is_impossible for e in ex] == [False, True] and ex[0].answers == ("cat",)
+
+
+def _hf_windows(tok, ex, max_len, stride):
+    """transformers' own overflowing windows, labelled as run_qa's prepare_train_features."""
+    enc = tok(ex.question.lstrip(), ex.context, truncation="only_second", max_length=max_len,
+              stride=stride, return_overflowing_tokens=True, return_offsets_mapping=True)
+    out = []
+    for i, ids in enumerate(enc["input_ids"]):
+        seq, offs = enc.sequence_ids(i), enc["offset_mapping"][i]
+        ctx = [k for k, s in enumerate(seq) if s == 1]
+        sc = ex.answer_starts[0]
+        ec = sc + len(ex.answers[0])
+        a, b = ctx[0], ctx[-1]
+        label = (0, 0)
+        if offs[a][0] <= sc and offs[b][1] >= ec:
+            while a < len(offs) and a <= ctx[-1] and offs[a][0] <= sc:
+                a += 1
+            while offs[b][1] >= ec:
+                b -= 1
+            label = (a - 1, b + 1)
+        out.append((ids, enc["token_type_ids"][i], [tuple(offs[k]) if seq[k] == 1 else (-1, -1)
+                                                    for k in range(len(ids))], label))
+    return out
+
+
+@pytest.mark.parametrize("max_len,stride", [(384, 128), (64, 16)])
+def test_windows_match_transformers_on_real_contexts(tok, v11_train, max_len, stride):
+    exs = [e for e in v11_train[::20] if len(tok(e.question)["input_ids"]) <= 60]
+    feats = squad.encode_qa(tok, exs, max_len=max_len, doc_stride=stride)
+    want = [w for ex in exs for w in _hf_windows(tok, ex, max_len, stride)]
+    assert len(feats) == len(want)
+    e = feats.encoded
+    for i, (ids, tt, offs, label) in enumerate(want):
+        s, t = e.offsets[i], e.offsets[i + 1]
+        assert e.input_ids[s:t].tolist() == ids
+        assert e.token_type_ids[s:t].tolist() == tt
+        assert [tuple(o) for o in feats.row_offsets(i).tolist()] == offs
+        assert tuple(e.labels[i]) == label, i
+
+
+def test_roberta_style_template_from_the_tokenizer():
+    class Rob:
+        model_input_names = ["input_ids", "attention_mask"]
+
+        def build_inputs_with_special_tokens(self, a, b):
+            return [0] + a + [2, 2] + b + [2]
+
+        def num_special_tokens_to_add(self, pair):
+            return 4
+
+    assert squad.pair_template(Rob()) == [("special", 0, 0), ("seq", 0, 0), ("special", 2, 0),
+                                          ("special", 2, 0), ("seq", 1, 0), ("special", 2, 0)]

@@ -200,21 +200,21 @@ class QAFeatures:
 
 
 def pair_template(tokenizer) -> List[Tuple[str, int, int]]:
-    """The tokenizer's layout of a pair, from its own post-processor: a list of ("special",
-    token_id, type_id) and ("seq", 0 | 1, type_id), e.g. BERT [special 101 0, seq 0 0, special
-    102 0, seq 1 1, special 102 1]."""
-    enc = tokenizer("a", "b", return_token_type_ids=True)
-    types = enc.get("token_type_ids") or [0] * len(enc["input_ids"])
-    out: List[Tuple[str, int, int]] = []
-    for tid, seq, tt in zip(enc["input_ids"], enc.sequence_ids(0), types):
-        if seq is None:
-            out.append(("special", int(tid), int(tt)))
-        elif not out or out[-1][:2] != ("seq", seq):
-            out.append(("seq", int(seq), int(tt)))
-    if [s[1] for s in out if s[0] == "seq"] != [0, 1]:
-        raise ValueError(f"{type(tokenizer).__name__}: pair layout {out} does not put the question "
-                         "before the context; question-first tokenizers only")
-    return out
+    """The tokenizer's layout of a pair: a list of ("special", token_id, type_id) and ("seq",
+    0 | 1, type_id), e.g. BERT [special 101 0, seq 0 0, special 102 0, seq 1 1, special 102 1].
+    From `build_inputs_with_special_tokens` on sentinel ids (RoBERTa `<s> q </s></s> c </s>`);
+    token types from the tokenizer where it has them, else 0."""
+    q, c = -1, -2   # sentinels: no vocabulary holds negative ids
+    ids = list(tokenizer.build_inputs_with_special_tokens([q], [c]))
+    if len(ids) - 2 != tokenizer.num_special_tokens_to_add(pair=True) or ids.count(q) != 1 \
+            or ids.count(c) != 1 or ids.index(q) > ids.index(c):
+        raise ValueError(f"{type(tokenizer).__name__}: pair layout {ids} does not put the "
+                         "question once before the context; question-first tokenizers only")
+    types = [0] * len(ids)
+    if "token_type_ids" in tokenizer.model_input_names:
+        types = list(tokenizer.create_token_type_ids_from_sequences([q], [c]))
+    return [("seq", 0 if t == q else 1, int(tt)) if t in (q, c) else ("special", int(t), int(tt))
+            for t, tt in zip(ids, types)]
 
 
 def window_starts(n_tokens: int, budget: int, doc_stride: int) -> List[int]:

@@ -84,8 +84,11 @@ def predict(start_logits: np.ndarray, end_logits: np.ndarray, features: QAFeatur
 
 def squad_v1(predictions: Mapping[str, str], examples: Sequence[QAExample]) -> Dict[str, float]:
     """{"exact_match", "f1"} in percent, as evaluate-v1.1.py prints them."""
-    em = [max(exact(predictions.get(e.id, ""), g) for g in _golds(e)) for e in examples]
-    f = [max(f1(predictions.get(e.id, ""), g) for g in _golds(e)) for e in examples]
+    # evaluate-v1.1.py takes every gold answer as written (v2.0 drops those normalising to "")
+    em = [max(exact(predictions.get(e.id, ""), g) for g in e.answers) for e in examples]
+    # ... and its F1 is 0 when either side normalises to no tokens (no common tokens)
+    f = [max(f1(predictions.get(e.id, ""), g) if normalize_answer(predictions.get(e.id, ""))
+             and normalize_answer(g) else 0.0 for g in e.answers) for e in examples]
     return {"exact_match": 100.0 * float(np.mean(em)), "f1": 100.0 * float(np.mean(f))}
 
 
