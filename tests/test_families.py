@@ -61,6 +61,35 @@ def _batch(pad):
     return np.where(mask > 0, ids, pad).astype(np.int32), mask
 
 
+def _raw_scores(model, family, ids, mask):
+    """q k^T / sqrt(d_head) per layer [B, H, T, T], from the inputs transformers' attention
+    modules receive (forward hooks), with the modules' own q and k projections."""
+    base = getattr(model, model.base_model_prefix)
+    layers = base.transformer.layer if family == "distilbert" else base.encoder.layer
+    mods = [l.attention if family == "distilbert" else l.attention.self for l in layers]
+    seen = {}
+    hooks = [m.register_forward_hook(
+        lambda mod, a, kw, o, i=i: seen.__setitem__(i, kw.get("query", kw.get(
+            "hidden_states", a[0] if a else None))), with_kwargs=True)
+        for i, m in enumerate(mods)]
+    try:
+        _torch_out(model, ids, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for i, m in enumerate(mods):
+        q_lin, k_lin = (m.q_lin, m.k_lin) if family == "distilbert" else (m.query, m.key)
+        heads = model.config.num_attention_heads if family != "distilbert" else model.config.n_heads
+        with torch.no_grad():
+            q, k = q_lin(seen[i]), k_lin(seen[i])
+        B, T, D = q.shape
+        q = q.view(B, T, heads, D // heads).transpose(1, 2)
+        k = k.view(B, T, heads, D // heads).transpose(1, 2)
+        out.append((q @ k.transpose(-1, -2)).numpy() / np.sqrt(D // heads))
+    return out
+
+
 def _torch_out(model, ids, mask):
     with torch.no_grad():
         return model(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
@@ -69,9 +98,9 @@ def _torch_out(model, ids, mask):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_family_matches_its_pytorch_model(family, tmp_path):
-    """Hidden states (1e-4, every layer, real tokens), attention probabilities (1e-5, real
-    query rows) and classification logits (1e-4), with right padding, from a save_pretrained
-    folder of the family's PyTorch class."""
+    """Hidden states (1e-4, every layer, real tokens), raw attention scores (1e-4, through hooks),
+    attention probabilities (1e-5, real query rows) and classification logits (1e-4), with right
+    padding, from a save_pretrained folder of the family's PyTorch class."""
     model = _torch_model(family, "cls")
     model.save_pretrained(tmp_path / "m")
     config, params = load_pretrained(str(tmp_path / "m"))
@@ -88,6 +117,8 @@ def test_each_family_matches_its_pytorch_model(family, tmp_path):
         probs = np.asarray(jax.nn.softmax(np.asarray(lg) + bias, axis=-1))
         np.testing.assert_allclose(probs.transpose(0, 2, 1, 3)[real],
                                    att.numpy().transpose(0, 2, 1, 3)[real], atol=1e-5)
+    for lg, raw in zip(ours.attention_logits, _raw_scores(model, family, ids, mask)):
+        np.testing.assert_allclose(np.asarray(lg), raw, atol=1e-4)   # before mask and softmax
     np.testing.assert_allclose(np.asarray(ours.logits), ref.logits.numpy(), atol=1e-4)
     assert ours.pooled is None                       # no pooler: the first token's row
 

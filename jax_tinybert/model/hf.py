@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "flax_model.msgpack")
 # Files besides the weights that make a folder loadable by HF (copied on export).
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json")
+                   "special_tokens_map.json", "added_tokens.json",
+                   # RoBERTa's BPE and XLM-R's SentencePiece files, for folders without tokenizer.json
+                   "vocab.json", "merges.txt", "sentencepiece.bpe.model")
 
 
 class WeightsError(UserError, ValueError):
