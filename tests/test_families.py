@@ -199,3 +199,24 @@ def test_family_renames_are_inverse():
                      ("classifier", "out_proj", "bias"), ("embeddings", "word_embeddings",
                                                           "embedding")):
             assert families.from_hf(fam, families.to_hf(fam, path)) == path, (fam, path)
+
+
+def test_a_row_longer_than_robertas_positions_is_refused_before_the_run(tmp_path,
+                                                                       bpe_tokenizer_dir):
+    """RoBERTa's position table starts past its padding index: 66 rows hold 64 positions."""
+    from jax_tinybert.config import check, schema
+    from jax_tinybert.model.modeling import BertModel, random_params
+
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=66, type_vocab_size=1,
+                     pad_token_id=1, model_type="roberta")
+    export_hf(cfg, random_params(BertModel(cfg), 0), str(tmp_path / "t"),
+              tokenizer_dir=bpe_tokenizer_dir)
+    c = schema.base_config()
+    c.teacher.path, c.data.kind, c.data.buckets = str(tmp_path / "t"), "synthetic", ()
+    c.data.max_len = 64
+    check.check_paths(c)
+    c.data.max_len = 65
+    with pytest.raises(check.ConfigValueError, match="data.max_len=65 is longer than the model's "
+                                                      "64 positions"):
+        check.check_paths(c)

@@ -144,14 +144,12 @@ NUMERIC_RULES = {
     "data.train_subset": (_NONNEG, "0 = all"),
     "data.eval_subset": (_NONNEG, "0 = all"),
     "data.synthetic_train": (_GE1, ""), "data.synthetic_eval": (_GE1, ""),
-    "student.num_hidden_layers": (_GE1, ""),
-    "student.hidden_size": (_GE1, ""),
+    "student.num_hidden_layers": (_GE1, ""), "student.hidden_size": (_GE1, ""),
     "student.intermediate_size": (_GE1, ""),
     "student.num_attention_heads": (_GE1, ""),
     "student.teacher_layers_heads": (_NONNEG, "0 = the teacher's head count"),
     "mesh.data": (("-1 (all devices) or >= 1", lambda v: v == -1 or v >= 1), ""),
-    "mesh.fsdp": (_GE1, ""), "mesh.model": (_GE1, ""),
-    "mesh.fsdp_min_size": (_NONNEG, ""),
+    "mesh.fsdp": (_GE1, ""), "mesh.model": (_GE1, ""), "mesh.fsdp_min_size": (_NONNEG, ""),
     "teacher.cache_max_gb": (("> 0", lambda v: v > 0), "GB the per-token teacher cache may use"),
 }
 
@@ -382,7 +380,9 @@ def _has_classifier(folder: str) -> Optional[bool]:
 def _max_positions(folder: str) -> Optional[int]:
     try:
         with open(os.path.join(folder, "config.json")) as fh:
-            return int(json.load(fh).get("max_position_embeddings"))
+            d = json.load(fh)
+        roberta = d.get("model_type") in ("roberta", "xlm-roberta")   # positions past the pad
+        return int(d.get("max_position_embeddings")) - (int(d.get("pad_token_id", 1)) + 1) * roberta
     except (OSError, ValueError, TypeError):
         return None
 
@@ -429,8 +429,8 @@ def check_paths(config) -> None:
         length = config.data.seq_len if config.data.kind == "corpus" else config.data.max_len
         field = "data.seq_len" if config.data.kind == "corpus" else "data.max_len"
         if n is not None and length > n:
-            raise _bad(field, length, f"is longer than the model's max_position_embeddings ({n}, "
-                       f"{os.path.join(folder, 'config.json')})", example=min(n, 512))
+            raise _bad(field, length, f"is longer than the model's {n} positions (max_position_"
+                       f"embeddings, {os.path.join(folder, 'config.json')})", example=min(n, 512))
     dc = config.data
     if dc.kind == "glue" and dc.source == "tsv":
         spec = glue.get_task(dc.task)
