@@ -5,7 +5,8 @@
 A training run's checkpoint is exported by `jax_tinybert.cli.export` (which calls this).
 
 The folder loads with `FlaxBertForSequenceClassification` / `BertForSequenceClassification`
-(or `*BertModel` for an encoder-only export) from transformers 4.x and with
+(or `*ForQuestionAnswering` / `*ForTokenClassification` for a span or token head, `*BertModel`
+for an encoder-only export, each family its own classes) from transformers 4.x and with
 `jax_tinybert.load_pretrained`. The PyTorch weights are written by us, not converted by
 transformers (its `from_flax=True` path leaves weights on the meta device in 4.57).
 Writes are atomic: everything goes to a temporary folder beside `out_dir`, which is renamed
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.model import families, hf
+from jax_tinybert.model import families, heads, hf
 from jax_tinybert.model.modeling import (BertConfig, BertForMaskedLM, BertForSequenceClassification,
                                    init_params)
 
@@ -83,15 +84,20 @@ def student_tree(params: Any) -> dict:
     return jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x), np.float32), params)
 
 
-def _check_shapes(config: BertConfig, tree: dict, classification: bool) -> None:
+def _check_shapes(config: BertConfig, tree: dict, head: Optional[str]) -> None:
     expected = jax.eval_shape(lambda: init_params(BertForSequenceClassification(config),
                                                   jax.random.PRNGKey(0)))
-    if classification:
-        hf._check_against(expected["bert"], tree["bert"], "export params", "encoder")
-        hf._check_against(expected["classifier"], tree["classifier"], "export params",
-                          "classifier (num_labels = config.num_labels)")
-    else:
+    if head is None:
         hf._check_against(expected["bert"], tree, "export params", "encoder")
+        return
+    bert = expected["bert"]
+    if head != "sequence":   # HF's span and token models have no pooler (export_hf drops it)
+        bert = {k: v for k, v in bert.items() if k != "pooler"}
+    hf._check_against(bert, tree["bert"], "export params", "encoder")
+    name = heads.NAMES[head][0]
+    want = expected["classifier"] if head == "sequence" else jax.eval_shape(
+        lambda: heads.init_head(config, head, jax.random.PRNGKey(0)))
+    hf._check_against(want, tree[name], "export params", f"{name} (num_labels = config.num_labels)")
 
 
 def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Optional[str] = None,
@@ -100,7 +106,8 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
 
     params: `BertModel` params (embeddings/encoder/pooler) -> architectures ["BertModel"], or
     `{"bert", "classifier"}` -> ["BertForSequenceClassification"] with num_labels =
-    classifier width (1 = regression), or `{"bert", "cls"}` (a masked-LM head, HF names
+    classifier width (1 = regression), `{"bert", "qa_outputs"}` -> ["BertForQuestionAnswering"],
+    `{"bert", "token_classifier"}` -> ["BertForTokenClassification"] (HF's `classifier`), or `{"bert", "cls"}` (a masked-LM head, HF names
     cls.predictions.*) -> ["BertForMaskedLM"]. A `{"student", "proj"}` dict is accepted; "proj" is
     dropped. id2label: {int: str}, overrides config.id2label.
     Files: config.json, flax_model.msgpack (bare HF Flax dict), model.safetensors (PyTorch
@@ -109,31 +116,36 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
     tree = student_tree(params)
     if "cls" in tree:
         return _export_mlm(config, tree, out_dir, tokenizer_dir)
-    classification = "classifier" in tree
-    if classification and "bert" not in tree:
-        raise ValueError("export_hf: a classifier without 'bert' params; pass "
-                         "{'bert': ..., 'classifier': ...} or the bare BertModel params")
-    unknown = set(tree) - ({"bert", "classifier"} if classification
-                           else {"embeddings", "encoder", "pooler"})
+    head = heads.head_of(tree)
+    if head is not None and "bert" not in tree:
+        raise ValueError(f"export_hf: a {heads.NAMES[head][0]} head without 'bert' params; pass "
+                         f"{{'bert': ..., '{heads.NAMES[head][0]}': ...}} or the bare BertModel "
+                         "params")
+    allowed = {"bert", heads.NAMES[head][0]} if head else {"embeddings", "encoder", "pooler"}
+    unknown = set(tree) - allowed
     if unknown:
         raise ValueError(f"export_hf: unexpected top-level params {sorted(unknown)}; expected "
-                         "BertModel params or {'bert', 'classifier'}")
-    if classification:
-        n = families.head_labels(tree["classifier"])
+                         "BertModel params or {'bert', <one head>} (classifier, qa_outputs, "
+                         "token_classifier)")
+    if head in ("span", "token"):
+        tree["bert"] = {k: v for k, v in tree["bert"].items() if k != "pooler"}
+    if head is not None:
+        top = tree[heads.NAMES[head][0]]
+        n = families.head_labels(top) if head == "sequence" else int(top["kernel"].shape[-1])
         if n != config.num_labels:
             config = config.replace(num_labels=n, id2label=None)
-    if id2label is not None:
+    if id2label is not None and head != "span":
         id2label = {int(k): str(v) for k, v in dict(id2label).items()}
         if len(id2label) != config.num_labels:
             raise ValueError(f"export_hf: id2label has {len(id2label)} labels, the model "
                              f"{config.num_labels}")
         config = config.replace(id2label=id2label)
-    _check_shapes(config, tree, classification)
+    _check_shapes(config, tree, head)
 
     cfg = config.to_dict()
     stem = families.of(config).class_stem
-    cfg["architectures"] = [f"{stem}ForSequenceClassification" if classification else f"{stem}Model"]
-    if classification and config.num_labels == 1:
+    cfg["architectures"] = [stem + (heads.NAMES[head][2] if head else "Model")]
+    if head == "sequence" and config.num_labels == 1:
         cfg.setdefault("problem_type", "regression")
     return _write_hf(config, out_dir, cfg, tree, tokenizer_dir)
 
@@ -141,7 +153,7 @@ def export_hf(config: BertConfig, params: Any, out_dir: str, tokenizer_dir: Opti
 def _write_hf(config: BertConfig, out_dir: str, cfg: dict, tree: dict,
               tokenizer_dir: Optional[str]) -> str:
     """Our tree renamed to the family's HF layout (families.to_hf), written as both weights."""
-    tree = families.rename(tree, families.to_hf, families.of(config))
+    tree = heads.to_hf(families.rename(tree, families.to_hf, families.of(config)))
     return _write_folder(out_dir, cfg, tree, hf.params_to_torch_state_dict(tree), tokenizer_dir)
 
 

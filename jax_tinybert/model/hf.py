@@ -15,7 +15,7 @@ import numpy as np
 
 from jax_tinybert import fs
 from jax_tinybert.errors import PathError, UserError
-from jax_tinybert.model import families
+from jax_tinybert.model import families, heads
 from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, init_classifier,
                                    init_params)
 
@@ -230,12 +230,13 @@ def _raw_weights(folder: str) -> Tuple[dict, str]:
     raise PathError(f"{folder}: no weights file; expected one of {', '.join(WEIGHT_FILES)}")
 
 
-def _split_layout(tree: dict) -> Tuple[dict, Optional[dict], Optional[dict]]:
-    """-> (bert params, classifier params or None, MLM head or None) from any HF layout."""
+def _split_layout(tree: dict) -> Tuple[dict, Dict[str, dict], Optional[dict]]:
+    """-> (bert params, {head name: params} of the task heads found, MLM head or None) from
+    any HF layout (the heads' names ours: `heads.from_hf` first)."""
     tree = dict(tree)
     if "params" in tree and len(tree) == 1:  # a msgpack saved with the linen wrapper
         tree = dict(tree["params"])
-    classifier = tree.pop("classifier", None)
+    found = {n: tree.pop(n) for n in (v[0] for v in heads.NAMES.values()) if n in tree}
     mlm = tree.pop("cls", None)
     if "bert" in tree:
         bert = tree.pop("bert")
@@ -244,7 +245,7 @@ def _split_layout(tree: dict) -> Tuple[dict, Optional[dict], Optional[dict]]:
         bert = {k: tree.pop(k) for k in ("embeddings", "encoder", "pooler") if k in tree}
     if tree:
         log.warning("ignoring unexpected top-level weights: %s", sorted(tree))
-    return bert, classifier, mlm
+    return bert, found, mlm
 
 
 def _check_against(expected: dict, got: dict, source: str, what: str) -> dict:
@@ -270,14 +271,17 @@ def _check_against(expected: dict, got: dict, source: str, what: str) -> dict:
 
 def load_pretrained(path_or_name: str, *, for_classification: Optional[bool] = None,
                     num_labels: Optional[int] = None, mlm_head: bool = False,
-                    seed: int = 0) -> Tuple[BertConfig, dict]:
-    """Load an HF BERT folder or hub name -> (BertConfig, params).
+                    seed: int = 0, head: str = "sequence") -> Tuple[BertConfig, dict]:
+    """Load an HF BERT-family folder or hub name -> (BertConfig, params).
 
     Layout of `params`: `BertModel` params (embeddings/encoder/pooler) by default; with a
     classifier in the checkpoint or `for_classification=True`: `{"bert": ..., "classifier": ...}`
     for `BertForSequenceClassification` (a missing classifier is initialised from `seed`, with a
     warning); with `mlm_head=True`: `{"bert": ..., "cls": ...}` for `BertForMaskedLM`.
-    `num_labels` overrides the config (a new head is then initialised).
+    `num_labels` overrides the config (a new head is then initialised). `head` "span" / "token"
+    with `for_classification=True`: `{"bert", "qa_outputs" | "token_classifier"}` for
+    `heads.BertForQuestionAnswering` / `BertForTokenClassification` (an *ForQuestionAnswering /
+    *ForTokenClassification checkpoint's head, else a new one; span heads have num_labels 2).
     """
     folder = resolve_path(path_or_name)
     cfg_path = os.path.join(folder, "config.json")
@@ -288,13 +292,19 @@ def load_pretrained(path_or_name: str, *, for_classification: Optional[bool] = N
     raw, weights_path = _raw_weights(folder)
     if "params" in raw and len(raw) == 1:  # a msgpack saved with the linen wrapper
         raw = dict(raw["params"])
-    bert, classifier, mlm = _split_layout(
-        families.rename(raw, families.from_hf, families.of(config)))
+    raw = heads.from_hf(raw, heads.from_architectures(config.extra.get("architectures")))
+    bert, found, mlm = _split_layout(families.rename(raw, families.from_hf, families.of(config)))
+    name = heads.NAMES[head][0]
+    if head == "span":
+        num_labels = 2
     if num_labels is not None and num_labels != config.num_labels:
         config = config.replace(num_labels=num_labels, id2label=None)
-        classifier = None
+        found.pop(name, None)
     model = BertForSequenceClassification(config)
     expected = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0)))
+    if head != "sequence":   # HF's span and token models have no pooler
+        bert = {k: v for k, v in bert.items() if k != "pooler"}
+        expected["bert"] = {k: v for k, v in expected["bert"].items() if k != "pooler"}
     bert = _check_against(expected["bert"], bert, weights_path, "encoder")
     if mlm_head:
         if mlm is None:
@@ -303,18 +313,22 @@ def load_pretrained(path_or_name: str, *, for_classification: Optional[bool] = N
         return config, {"bert": bert, "cls": jax.tree_util.tree_map(
             lambda x: np.asarray(x, np.float32), mlm)}
     if for_classification is None:
-        for_classification = classifier is not None
+        for_classification = name in found
     if not for_classification:
         return config, bert
-    if classifier is None:
-        log.warning("%s: no classifier weights for %d labels; initialising a new head "
-                    "(seed %d): fine-tune before use", weights_path, config.num_labels, seed)
-        classifier = jax.tree_util.tree_map(
-            np.asarray, init_classifier(config, jax.random.PRNGKey(seed)))
+    got = found.get(name)
+    if got is None:
+        log.warning("%s: no %s weights for %d labels; initialising a new head (seed %d): "
+                    "fine-tune before use", weights_path, name, config.num_labels, seed)
+        rng = jax.random.PRNGKey(seed)
+        new = init_classifier(config, rng) if head == "sequence" else \
+            heads.init_head(config, head, rng)
+        return config, {"bert": bert, name: jax.tree_util.tree_map(np.asarray, new)}
+    if head == "sequence":
+        want = expected["classifier"]
     else:
-        classifier = _check_against(expected["classifier"], classifier, weights_path,
-                                    "classifier")
-    return config, {"bert": bert, "classifier": classifier}
+        want = jax.eval_shape(lambda: heads.init_head(config, head, jax.random.PRNGKey(0)))
+    return config, {"bert": bert, name: _check_against(want, got, weights_path, name)}
 
 
 def bert_params(params: dict) -> dict:
