@@ -18,8 +18,9 @@ import numpy as np
 from jax_tinybert.config import schema as config_base
 from jax_tinybert import fs, optim, speed
 from jax_tinybert.distill import layer_maps, losses, objectives
-from jax_tinybert.data import glue, vocab_match
+from jax_tinybert.data import glue, position_tasks, vocab_match
 from jax_tinybert.errors import PathError, UserError
+from jax_tinybert.model import heads
 from jax_tinybert.model.hf import WEIGHT_FILES, resolve_path
 
 # Fields that do not change the trained model (SPEED_FIELDS: how fast, not what, so a workdir
@@ -141,6 +142,8 @@ NUMERIC_RULES = {
     "data.max_buckets": (_GE1, "bucket budget when data.buckets=() (chosen from the data)"),
     "data.bucket_compile_steps": (("-1 (auto) or >= 0", lambda v: v == -1 or v >= 0),
                                   "a bucket's compilations in train steps at length 64"),
+    "data.doc_stride": (_NONNEG, "tokens shared by consecutive windows of a SQuAD context"),
+    "data.max_query_len": (_GE1, "a SQuAD question's tokens at most"),
     "data.train_subset": (_NONNEG, "0 = all"),
     "data.eval_subset": (_NONNEG, "0 = all"),
     "data.synthetic_train": (_GE1, ""), "data.synthetic_eval": (_GE1, ""),
@@ -213,11 +216,15 @@ def validate_config(config: ml_collections.ConfigDict, paths: bool = True) -> No
         if isinstance(d, bool) and not isinstance(flat[field], (bool, np.bool_)):
             raise _bad(field, flat[field], "must be True or False")
     _check_sequences(config)
-    if config.data.kind != "corpus":
+    if config.data.kind != "corpus" and not position_tasks.get(config.data.task):
         try:
             glue.get_task(config.data.task)
         except KeyError as e:
-            raise ConfigValueError(f"config.data.task: {e}") from e
+            raise ConfigValueError(f"config.data.task: {e}; or one of {', '.join(position_tasks.TASKS)}"
+                                   ) from e
+    if config.data.kind == "synthetic" and position_tasks.get(config.data.task):
+        raise ConfigValueError("config.data.kind='synthetic' makes a GLUE-like set; for "
+                               f"{config.data.task} pass --config.data.kind=glue")
     if config.data.kind == "corpus" and config.objective.name not in objectives.INTERMEDIATE:
         raise ConfigValueError(f"config.data.kind='corpus' has no labels; objective "
                                f"{config.objective.name!r} needs labelled task data (use one of "
@@ -358,23 +365,26 @@ def _model_folder(field: str, p: str, example: str,
     return q
 
 
-def _has_classifier(folder: str) -> Optional[bool]:
-    """Whether the weights in `folder` hold a classifier head (None: cannot tell cheaply)."""
+def _has_classifier(folder: str, head: str = "sequence") -> Optional[bool]:
+    """Whether the weights in `folder` hold a trained head of this kind (sequence, span,
+    token: model/heads.py; None: cannot tell cheaply)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as fh:
+            arch = json.load(fh).get("architectures") or []
+    except (OSError, ValueError):
+        arch = []
+    if arch and heads.from_architectures(arch) != head:
+        return False
     st = os.path.join(folder, "model.safetensors")
     if os.path.exists(st):
         try:
             from safetensors import safe_open
 
             with safe_open(st, "np") as f:
-                return any(k.startswith("classifier.") for k in f.keys())
+                return any(k.startswith(heads.NAMES[head][1] + ".") for k in f.keys())
         except Exception:   # damaged: load_pretrained names the file
             return None
-    try:
-        with open(os.path.join(folder, "config.json")) as fh:
-            arch = json.load(fh).get("architectures") or []
-    except (OSError, ValueError):
-        return None
-    return any("SequenceClassification" in a for a in arch) if arch else None
+    return any(head != "sequence" or "SequenceClassification" in a for a in arch) if arch else None
 
 
 def _max_positions(folder: str) -> Optional[int]:
@@ -401,7 +411,8 @@ def check_paths(config) -> None:
     if tdir is not None and config.objective.name in _LOGIT_OBJECTIVES and not (
             config.objective.name == "tinybert_pred"
             and config.objective.regression_target == "gold"):
-        if _has_classifier(tdir) is False:
+        position = position_tasks.get(task)
+        if _has_classifier(tdir, position.head if position else "sequence") is False:
             raise UserError(
                 f"config.teacher.path={config.teacher.path!r} has no fine-tuned classifier head, "
                 f"and objective {config.objective.name!r} distils the teacher's predictions; "
@@ -432,29 +443,12 @@ def check_paths(config) -> None:
             raise _bad(field, length, f"is longer than the model's {n} positions (max_position_"
                        f"embeddings, {os.path.join(folder, 'config.json')})", example=min(n, 512))
     dc = config.data
-    if dc.kind == "glue" and dc.source == "tsv":
-        spec = glue.get_task(dc.task)
-        glue_dir = dc.glue_dir or os.environ.get("GLUE_DIR", "")
-        field = "--config.data.glue_dir" if dc.glue_dir else "$GLUE_DIR"
-        if not glue_dir:
-            raise PathError(
-                f"no GLUE data for {spec.dir_name}: set GLUE_DIR or --config.data.glue_dir to a "
-                f"folder holding {spec.dir_name}/train.tsv and {spec.dir_name}/dev.tsv (e.g. "
-                "--config.data.glue_dir=../shared/data/glue), or use --config.data.source=hf "
-                "(online)")
-        if not os.path.isdir(glue_dir):
-            raise PathError(f"{field}={glue_dir}: no such folder (relative to {os.getcwd()}); "
-                            f"pass the folder holding {spec.dir_name}/train.tsv")
-        for split in ("train", spec.eval_splits[0]):
-            f = glue.tsv_path(glue_dir, spec, split)
-            if split == "train" and dc.train_file:
-                f = dc.train_file
-            if not os.path.isfile(f):
-                raise PathError(f"{f}: no such file; {field}={glue_dir} must hold the GLUE "
-                                f"layout <glue_dir>/{spec.dir_name}/<split>.tsv"
-                                if f != dc.train_file else
-                                f"config.data.train_file={f!r}: no such file (relative to "
-                                f"{os.getcwd()}); pass a TSV in the task's train.tsv format")
+    position = position_tasks.get(dc.task) if dc.kind == "glue" else None
+    if position and dc.source == "tsv":
+        for split in position.files:
+            position_tasks.file_path(position, split, dc.data_dir)
+    elif dc.kind == "glue" and dc.source == "tsv":
+        glue.check_files(glue.get_task(dc.task), dc.glue_dir, dc.train_file)
     if dc.kind == "corpus":
         files = [p for p in str(dc.corpus).split(",") if p]
         if not files:

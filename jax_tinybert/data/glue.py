@@ -12,11 +12,12 @@ import csv
 import dataclasses
 import difflib
 import logging
+import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from jax_tinybert import fs
-from jax_tinybert.errors import UserError
+from jax_tinybert.errors import PathError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -354,3 +355,27 @@ def label_counts(spec: TaskSpec, examples: Sequence[Example]) -> Dict[str, int]:
     for e in examples:
         counts[spec.labels[e.label]] += 1
     return counts
+
+
+def check_files(spec: TaskSpec, glue_dir: str, train_file: str = "") -> None:
+    """The task's train and dev TSVs exist under glue_dir (default $GLUE_DIR), else a one-line
+    PathError naming the file or folder and the fix; train_file replaces train.tsv."""
+    field = "--config.data.glue_dir" if glue_dir else "$GLUE_DIR"
+    glue_dir = glue_dir or os.environ.get("GLUE_DIR", "")
+    if not glue_dir:
+        raise PathError(
+            f"no GLUE data for {spec.dir_name}: set GLUE_DIR or --config.data.glue_dir to a "
+            f"folder holding {spec.dir_name}/train.tsv and {spec.dir_name}/dev.tsv (e.g. "
+            "--config.data.glue_dir=../shared/data/glue), or use --config.data.source=hf "
+            "(online)")
+    if not os.path.isdir(glue_dir):
+        raise PathError(f"{field}={glue_dir}: no such folder (relative to {os.getcwd()}); "
+                        f"pass the folder holding {spec.dir_name}/train.tsv")
+    for split in ("train", spec.eval_splits[0]):
+        f = train_file if split == "train" and train_file else tsv_path(glue_dir, spec, split)
+        if not os.path.isfile(f):
+            raise PathError(f"{f}: no such file; {field}={glue_dir} must hold the GLUE "
+                            f"layout <glue_dir>/{spec.dir_name}/<split>.tsv"
+                            if f != train_file else
+                            f"config.data.train_file={f!r}: no such file (relative to "
+                            f"{os.getcwd()}); pass a TSV in the task's train.tsv format")

@@ -1,10 +1,24 @@
-"""The keys an objective cfg (config.objective, less its name) may hold, and what each means.
+"""The keys an objective cfg (config.objective, less its name) may hold, what each means, and
+`resolve_cfg`: a cfg with an objective's defaults filled in, its values checked.
 
 Kept apart from objectives.py, which declares each objective's defaults for these keys.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from jax_tinybert.distill import layer_maps as lm
+from jax_tinybert.distill import losses
+from jax_tinybert.errors import UserError
+
+PROJECTIONS = ("shared", "per_layer", "none")
+ATTN_LOSS_NAMES = ("mse", "kl")
+HIDN_LOSS_NAMES = ("mse", "cosine")
+KD_LOSSES = ("ce", "mse")
+
+
+class ObjectiveConfigError(UserError, ValueError):
+    """An objective cfg value that this objective or these models cannot run with."""
 
 # Every key a stage's objective cfg may hold. A key an objective does not use is ignored, so a
 # config can share one block across stages; a misspelt key is an error.
@@ -41,3 +55,48 @@ CFG_KEYS = {
     "relation_heads": "minilmv2: relation heads A_r (both widths must divide by it; default "
                       "the teacher's head count, 64 for a teacher of width >= 1024)",
 }
+
+
+def _as_dict(cfg: Any) -> dict:
+    if cfg is None:
+        return {}
+    if hasattr(cfg, "to_dict"):  # ml_collections.ConfigDict / FrozenConfigDict
+        return dict(cfg.to_dict())
+    return dict(cfg)
+
+
+def resolve_cfg(name: str, defaults: dict, cfg: Any) -> dict:
+    """defaults, overridden by the keys of cfg that are not None; checked."""
+    cfg = _as_dict(cfg)
+    unknown = sorted(set(cfg) - set(CFG_KEYS))
+    if unknown:
+        valid = "\n".join(f"  {k}: {v}" for k, v in CFG_KEYS.items())
+        raise ObjectiveConfigError(f"objective '{name}': unknown cfg key(s) {unknown}; valid keys:\n{valid}")
+    out = dict(defaults)
+    out.update({k: v for k, v in cfg.items() if v is not None or k == "layer_weights"})
+    if out["layer_weights"] is not None and len(out["layer_weights"]) == 0:
+        out["layer_weights"] = None   # the config's () = every layer weighted 1
+    losses.check_mode(out["mode"])
+    if out["projection"] not in PROJECTIONS:
+        raise ObjectiveConfigError(f"objective '{name}': cfg projection={out['projection']!r}; expected "
+                         f"one of {PROJECTIONS}")
+    if not float(out["temperature"]) > 0:
+        raise ObjectiveConfigError(f"objective '{name}': cfg temperature must be > 0, "
+                         f"got {out['temperature']!r}")
+    if not 0.0 <= float(out["alpha"]) <= 1.0:
+        raise ObjectiveConfigError(f"objective '{name}': cfg alpha must be in [0, 1], got {out['alpha']!r}")
+    for key, kinds in (("attn_loss", ATTN_LOSS_NAMES), ("hidn_loss", HIDN_LOSS_NAMES),
+                       ("kd_loss", KD_LOSSES)):
+        if out[key] not in kinds:
+            raise ObjectiveConfigError(f"objective '{name}': cfg {key}={out[key]!r}; expected one "
+                                       f"of {tuple(kinds)}")
+    if out["regression_target"] not in ("teacher", "gold"):
+        raise ObjectiveConfigError(f"objective '{name}': cfg regression_target must be 'teacher' or 'gold', "
+                         f"got {out['regression_target']!r}")
+    for k in ("temperature", "alpha", "beta", "w_embd", "w_attn", "w_hidn", "w_pred"):
+        if out[k] is not None:  # only pkd's beta defaults to None (resolved per mode and shape)
+            out[k] = float(out[k])
+    out["t2"] = bool(out["t2"])
+    out["normalize_patience"] = bool(out["normalize_patience"])
+    out["probability_shift"] = bool(out["probability_shift"])
+    return out

@@ -301,13 +301,41 @@ def probability_shift(t_logits: Array, labels: Array) -> Array:
 
 
 def cross_entropy(logits: Array, labels: Array, valid: Optional[Array] = None) -> Array:
-    """Hard-label cross-entropy: logits [B, C], labels int [B]; mean over examples (both modes)."""
+    """Hard-label cross-entropy: logits [B, C], labels int [B]; mean over examples (both modes).
+    Rows labelled < 0 (IGNORE, -100: PyTorch's ignore_index) weigh 0."""
     lg = _f(logits)
     if lg.ndim != 2:
         raise ValueError(f"cross_entropy: logits must be [B, C], got shape {lg.shape}")
     labels = jnp.asarray(labels).astype(jnp.int32)
-    nll = -jnp.take_along_axis(jax.nn.log_softmax(lg, -1), labels[:, None], axis=-1)[:, 0]
-    return _example_mean(nll, valid)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(lg, -1), jnp.maximum(labels, 0)[:, None],
+                               axis=-1)[:, 0]
+    labelled = (labels >= 0).astype(nll.dtype)
+    w = labelled if valid is None else labelled * _weights(valid, nll.shape[0], nll.dtype)
+    return _example_mean(nll, w)
+
+
+IGNORE = -100   # a position without a label (pieces after a word's first, special tokens)
+
+
+def position_rows(logits: Array, head: str) -> Array:
+    """Per-position logits as rows of classification logits, so that every classification loss
+    reads them unchanged: span [B, 2, T] (start and end logits; a softmax over positions) ->
+    [2B, T]; token [B, T, C] -> [B T, C]."""
+    lg = jnp.asarray(logits)
+    if lg.ndim != 3:
+        raise ValueError(f"position_rows: {head} logits must be 3-D, got shape {lg.shape}")
+    return lg.reshape(-1, lg.shape[-1])
+
+
+def position_weights(head: str, attention_mask: Array, valid: Optional[Array]) -> Array:
+    """The rows' weights of `position_rows`: span, each example's two rows its weight (positions
+    past its length are masked inside the logits); token, its real tokens (attention_mask).
+    valid: [B] example weights or None. -> float32 [R]."""
+    m = jnp.asarray(attention_mask)
+    w = jnp.ones((m.shape[0],), jnp.float32) if valid is None else jnp.asarray(valid, jnp.float32)
+    if head == "span":
+        return jnp.repeat(w, 2)
+    return (m.astype(jnp.float32) * w[:, None]).reshape(-1)
 
 
 def regression_mse(pred: Array, target: Array, valid: Optional[Array] = None) -> Array:

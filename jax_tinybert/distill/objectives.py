@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_tinybert.distill import layer_maps as lm
-from jax_tinybert.distill.cfg_keys import CFG_KEYS
+from jax_tinybert.distill.cfg_keys import (ATTN_LOSS_NAMES, CFG_KEYS, HIDN_LOSS_NAMES,  # noqa: F401
+                                           KD_LOSSES, PROJECTIONS, ObjectiveConfigError,
+                                           resolve_cfg as _resolve_cfg)
 from jax_tinybert.distill import losses as L
-from jax_tinybert.errors import UserError
 
 Array = jax.Array
 
@@ -39,65 +40,15 @@ _COMMON = {"mode": "masked", "temperature": 1.0, "alpha": 0.5, "beta": 0.0, "t2"
            "regression_target": "teacher", "attn_loss": "mse", "hidn_loss": "mse",
            "kd_loss": "ce", "probability_shift": False, "teacher_layer": None,
            "relation_heads": None}
-PROJECTIONS = ("shared", "per_layer", "none")
 ATTN_LOSSES = {"mse": L.attention_mse, "kl": L.attention_kl}
 HIDN_LOSSES = {"mse": L.hidden_mse, "cosine": L.cosine_hidden_loss}
-KD_LOSSES = ("ce", "mse")
+assert tuple(ATTN_LOSSES) == ATTN_LOSS_NAMES and tuple(HIDN_LOSSES) == HIDN_LOSS_NAMES
 PKD_PUBLISHED_BETA = 500.0  # Sun et al. 2019, for the official mean over B*K*D
-
-
-class ObjectiveConfigError(UserError, ValueError):
-    """An objective cfg value that this objective or these models cannot run with."""
 
 
 def kl_without_masking(cfg: Dict[str, Any]) -> bool:
     """Whether an intermediate-layer cfg asks for attention KL in parity mode (which has none)."""
     return cfg.get("attn_loss") == "kl" and cfg.get("mode") not in (None, "masked")
-
-
-def _as_dict(cfg: Any) -> dict:
-    if cfg is None:
-        return {}
-    if hasattr(cfg, "to_dict"):  # ml_collections.ConfigDict / FrozenConfigDict
-        return dict(cfg.to_dict())
-    return dict(cfg)
-
-
-def _resolve_cfg(name: str, defaults: dict, cfg: Any) -> dict:
-    """defaults, overridden by the keys of cfg that are not None; checked."""
-    cfg = _as_dict(cfg)
-    unknown = sorted(set(cfg) - set(CFG_KEYS))
-    if unknown:
-        valid = "\n".join(f"  {k}: {v}" for k, v in CFG_KEYS.items())
-        raise ObjectiveConfigError(f"objective '{name}': unknown cfg key(s) {unknown}; valid keys:\n{valid}")
-    out = dict(defaults)
-    out.update({k: v for k, v in cfg.items() if v is not None or k == "layer_weights"})
-    if out["layer_weights"] is not None and len(out["layer_weights"]) == 0:
-        out["layer_weights"] = None   # the config's () = every layer weighted 1
-    L.check_mode(out["mode"])
-    if out["projection"] not in PROJECTIONS:
-        raise ObjectiveConfigError(f"objective '{name}': cfg projection={out['projection']!r}; expected "
-                         f"one of {PROJECTIONS}")
-    if not float(out["temperature"]) > 0:
-        raise ObjectiveConfigError(f"objective '{name}': cfg temperature must be > 0, "
-                         f"got {out['temperature']!r}")
-    if not 0.0 <= float(out["alpha"]) <= 1.0:
-        raise ObjectiveConfigError(f"objective '{name}': cfg alpha must be in [0, 1], got {out['alpha']!r}")
-    for key, kinds in (("attn_loss", ATTN_LOSSES), ("hidn_loss", HIDN_LOSSES),
-                       ("kd_loss", KD_LOSSES)):
-        if out[key] not in kinds:
-            raise ObjectiveConfigError(f"objective '{name}': cfg {key}={out[key]!r}; expected one "
-                                       f"of {tuple(kinds)}")
-    if out["regression_target"] not in ("teacher", "gold"):
-        raise ObjectiveConfigError(f"objective '{name}': cfg regression_target must be 'teacher' or 'gold', "
-                         f"got {out['regression_target']!r}")
-    for k in ("temperature", "alpha", "beta", "w_embd", "w_attn", "w_hidn", "w_pred"):
-        if out[k] is not None:  # only pkd's beta defaults to None (resolved per mode and shape)
-            out[k] = float(out[k])
-    out["t2"] = bool(out["t2"])
-    out["normalize_patience"] = bool(out["normalize_patience"])
-    out["probability_shift"] = bool(out["probability_shift"])
-    return out
 
 
 class Objective:
@@ -128,8 +79,13 @@ class Objective:
     # trains no classifier, so its stage has no dev metrics.
     intermediate: ClassVar[bool] = False
 
-    def __init__(self, cfg: Any, student_config, teacher_config=None):
+    def __init__(self, cfg: Any, student_config, teacher_config=None, head: str = "sequence"):
         self.cfg = _resolve_cfg(self.name, self.defaults, cfg)
+        # span / token: per-position logits, read as rows of classification logits (__call__);
+        # no per-example teacher cache, and the last layer's every row is computed.
+        self.head = head
+        if head != "sequence":
+            self.teacher_cacheable, self.reads_tokens = False, True
         self.mode = self.cfg["mode"]
         self.student_config = student_config
         self.teacher_config = teacher_config
@@ -256,7 +212,20 @@ class Objective:
                 and not (self.teacher_token_cacheable
                          and any(k in batch for k in CACHED_TOKEN_KEYS))):
             raise ValueError(f"objective '{self.name}' needs the teacher's outputs (t_out)")
+        if self.head != "sequence" and not self.intermediate:
+            s_out, t_out, batch = self._as_rows(s_out, t_out, batch)
         return self.loss(proj, s_out, t_out, batch)
+
+    def _as_rows(self, s_out, t_out, batch):
+        """Span / token logits and labels as rows (losses.position_rows); the batch's `valid`:
+        the rows' weights, its example weights kept as `example_valid`."""
+        rows = lambda out: out if out is None else out.replace(
+            logits=L.position_rows(out.logits, self.head))
+        b = dict(batch, valid=L.position_weights(self.head, batch["attention_mask"],
+                                                 batch.get("valid")), example_valid=batch.get("valid"))
+        if "labels" in batch:
+            b["labels"] = batch["labels"].reshape(-1)
+        return rows(s_out), rows(t_out), b
 
     def __repr__(self) -> str:
         lmap = f", layer_map={self.layer_map.name}" if self.layer_map else ""
@@ -463,7 +432,7 @@ class PKD(_HardAndSoft):
                            for s, _ in self._hidden_pairs], axis=1)
         pt = L.patience_loss(s_cls, self._teacher_cls(t_out, batch),
                              normalize=self.cfg["normalize_patience"], mode=self.mode,
-                             valid=batch.get("valid"))
+                             valid=batch.get("example_valid", batch.get("valid")))
         scaled = self.cfg["beta"] * pt
         if self.mode == "tinybert":
             # Official: beta * <float16 tensor> is float16 again, i.e. rounded a second time.
@@ -577,13 +546,14 @@ INTERMEDIATE = tuple(n for n, cls in REGISTRY.items() if cls.intermediate)
 DEFAULTS = {n: dict(cls.defaults) for n, cls in REGISTRY.items()}
 
 
-def make_objective(name: str, cfg: Any, student_config, teacher_config=None) -> Objective:
+def make_objective(name: str, cfg: Any, student_config, teacher_config=None,
+                   head: str = "sequence") -> Objective:
     """Builds a registered objective (one of OBJECTIVES) from its cfg (dict or ConfigDict;
-    None values take the objective's defaults)."""
+    None values take the objective's defaults) for a model with `head` (sequence, span, token)."""
     if name not in REGISTRY:
         raise ObjectiveConfigError(f"unknown objective {name!r}; expected one of "
                                    f"{tuple(REGISTRY)}")
-    return REGISTRY[name](cfg, student_config, teacher_config)
+    return REGISTRY[name](cfg, student_config, teacher_config, head)
 
 
 __all__ = ["OBJECTIVES", "CFG_KEYS", "DEFAULTS", "REGISTRY", "Objective", "make_objective",

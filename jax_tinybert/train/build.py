@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
-import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
@@ -37,13 +35,16 @@ from jax_tinybert.train import step as step_lib
 from jax_tinybert.teacher import cache as teacher_cache, store as teacher_store
 from jax_tinybert.teacher import (fingerprint as teacher_fingerprint, stream as teacher_stream,
                                   training as teacher_training)
-from jax_tinybert.config.check import DTYPES, ConfigValueError, owned_by_a_run, record_speed
-from jax_tinybert.data import batching, corpus, glue, reader, synthetic, tokenize, vocab_match
+from jax_tinybert.config.check import DTYPES, ConfigValueError, record_speed
+from jax_tinybert.data import vocab_match
+from jax_tinybert.model import heads
 from jax_tinybert.model.hf import load_pretrained, resolve_path
 from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, BertModel
 from jax_tinybert import speed
 from jax_tinybert.speed import dtypes as speed_dtypes
 from jax_tinybert.train import students
+from jax_tinybert.train.run_data import (  # noqa: F401  (the build layer's names)
+    BUCKETS_RECORD, COMPILE_STEPS_LEN, EVAL_BUCKET_SHARE, Data, build_data, choose_buckets, subset)
 from jax_tinybert.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -79,15 +80,20 @@ def compute_dtypes(name: str) -> dict:
     return speed_dtypes.compute_dtypes(name, speed.backend())
 
 
-def student_module(config, student_config: BertConfig) -> BertForSequenceClassification:
-    """The student as the config asks for it (compute dtype, remat, official head)."""
+def student_module(config, student_config: BertConfig, head: str = "sequence"):
+    """The student as the config asks for it (compute dtype, remat, official head; span and
+    token heads: model/heads.py)."""
     sc = config.student
+    if head != "sequence":
+        return heads.MODELS[head](student_config, **compute_dtypes(sc.dtype), remat=sc.remat)
     return BertForSequenceClassification(student_config, **compute_dtypes(sc.dtype),
                                          remat=sc.remat, head_relu=sc.head_relu)
 
 
-def teacher_module(config, teacher_config: BertConfig, classifier: bool):
-    """The frozen teacher: with its classifier head when its checkpoint has one."""
+def teacher_module(config, teacher_config: BertConfig, classifier: bool, head: str = "sequence"):
+    """The frozen teacher: with its task head when its checkpoint has one."""
+    if classifier and head != "sequence":
+        return heads.MODELS[head](teacher_config, **compute_dtypes(config.teacher.dtype))
     cls = BertForSequenceClassification if classifier else BertModel
     return cls(teacher_config, **compute_dtypes(config.teacher.dtype))
 
@@ -110,30 +116,32 @@ class Models:
                 else teacher_fingerprint.params_fingerprint(self.teacher_params))
 
 
-def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
-    """Teacher (frozen) and student (initial params, float32 numpy) from the config."""
+def build_models(config, num_labels: int, id2label: Optional[dict],
+                 head: str = "sequence") -> Models:
+    """Teacher (frozen) and student (initial params, float32 numpy) from the config, both with
+    the task's `head` (sequence, span, token)."""
     sc = config.student
     teacher = teacher_config = teacher_params = None
     tpath = resolve_model_path(config.teacher.path)
     needs_teacher = config.objective.name != "finetune"
     # Read on first use only: fine-tuning from the teacher's own folder loads it once, as the
     # student (a second read traced the model for its shapes again: ~0.45 s of start-up).
-    teacher_folder = functools.cache(lambda: load_pretrained(tpath))
+    teacher_folder = functools.cache(lambda: load_pretrained(tpath, head=head))
     if needs_teacher:
         teacher_config, teacher_params = teacher_folder()
-        teacher = teacher_module(config, teacher_config,
-                                 classifier="classifier" in teacher_params)
+        teacher = teacher_module(config, teacher_config, head=head,
+                                 classifier=heads.head_of(teacher_params) == head)
     rng = jax.random.PRNGKey(config.train.seed)
     if sc.init == "pretrained":
         path = resolve_model_path(sc.path or tpath)
         scfg, sparams = load_pretrained(path, for_classification=True, num_labels=num_labels,
-                                        seed=config.train.seed)
+                                        seed=config.train.seed, head=head)
     elif sc.init == "teacher_layers":
         tcfg, tparams = teacher_folder()
-        scfg, sparams = students.from_teacher_layers(sc, tcfg, tparams, num_labels, rng)
+        scfg, sparams = students.from_teacher_layers(sc, tcfg, tparams, num_labels, rng, head)
     else:
         scfg, sparams = students.random_student(sc, teacher_folder()[0], num_labels,
-                                                config.train.seed)
+                                                config.train.seed, head)
     if id2label:
         scfg = scfg.replace(id2label=dict(id2label), num_labels=num_labels)
     if sc.init == "pretrained":   # a folder of its own: its tokenizer must be the teacher's
@@ -142,138 +150,18 @@ def build_models(config, num_labels: int, id2label: Optional[dict]) -> Models:
         raise ConfigValueError(f"student vocab_size {scfg.vocab_size} != teacher vocab_size "
                                f"{teacher_config.vocab_size}: {vocab_match.FIX}")
     sparams = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), sparams)
-    return Models(student_module(config, scfg), scfg, sparams, teacher, teacher_config,
+    return Models(student_module(config, scfg, head), scfg, sparams, teacher, teacher_config,
                   teacher_params, tpath)
-
-
-# --------------------------------------------------------------------------- data
-
-@dataclasses.dataclass
-class Data:
-    train_batches: Any             # BucketedBatcher over the train set (train mode)
-    eval_batches: Optional[Any]    # BucketedBatcher over the dev set (eval mode) or None
-    eval_labels: Optional[np.ndarray]
-    task: Optional[str]
-    num_labels: int
-    id2label: Optional[dict]
-    train_dataset: Any
-
-
-def subset(ds, n: int, seed: int):
-    """n examples of an EncodedDataset drawn with a seeded shuffle, in dataset order (0 = all)."""
-    return tokenize.take(ds, tokenize.subset_indices(len(ds), n, seed))
-
-
-def build_data(config, workdir: str, tokenizer_dir: str) -> Data:
-    """Tokenized train/dev sets and their batchers (GLUE TSV / HF / synthetic, or a corpus)."""
-    dc = config.data
-    cache_dir = dc.cache_dir or os.path.join(workdir, "cache")
-    tok = tokenize.load_data_tokenizer(tokenizer_dir)
-    gb = config.train.batch_size
-    seed = config.train.seed
-    if dc.kind == "corpus":
-        if not dc.corpus:
-            raise ConfigValueError("config.data.kind='corpus' needs config.data.corpus: text files "
-                                   "or folders (e.g. data/corpus)")
-        files = [p for p in str(dc.corpus).split(",") if p]
-        # A folder of data.prepare is read as prepared; text is prepared into the cache first.
-        ds = corpus.corpus_rows(files, tok, dc.seq_len, cache_dir=cache_dir, mode=dc.corpus_mode,
-                                memory_tokens=dc.corpus_memory_tokens)
-        idx = tokenize.subset_indices(len(ds), dc.train_subset, seed)
-        if idx is not None:
-            ds = (tokenize.take(ds, idx) if isinstance(ds, tokenize.EncodedDataset)
-                  else reader.SubsetRows(ds, idx))
-        batches = reader.CorpusBatcher(ds, gb, dc.seq_len, seed=seed,
-                                       read_threads=dc.read_threads, prefetch=dc.prefetch,
-                                       read_workers=dc.read_workers)
-        return Data(batches, None, None, None, 1, None, ds)
-    spec = glue.get_task(dc.task)
-    glue_dir = dc.glue_dir or os.environ.get("GLUE_DIR", "")
-    if dc.kind == "synthetic":
-        glue_dir = synthetic.write_sst2_like(os.path.join(cache_dir, "synthetic"),
-                                             dc.synthetic_train, dc.synthetic_eval, seed=0)
-    if dc.source == "tsv" and not glue_dir and not dc.train_file:
-        raise ConfigValueError(
-            f"no GLUE data for {spec.dir_name}: set GLUE_DIR or --config.data.glue_dir to a "
-            f"folder holding {spec.dir_name}/train.tsv, or use --config.data.source=hf (online)")
-    # The subset is chosen before tokenisation: a small run does not tokenize the whole split.
-    load = lambda split, n, subset_seed, path=None: tokenize.load_glue_encoded(
-        spec, split, tok, dc.max_len, glue_dir=glue_dir or None, path=path,
-        cache_dir=cache_dir if dc.source == "tsv" else None, skip_bad_rows=dc.skip_bad_rows,
-        source=dc.source, subset=n, subset_seed=subset_seed, store_dir=tokenize.token_store())
-    train_ds = load("train", dc.train_subset, seed, dc.train_file or None)
-    eval_ds = load(spec.eval_splits[0], dc.eval_subset, seed + 1)
-    buckets, eval_buckets = choose_buckets(config, train_ds.lengths, eval_ds.lengths, workdir)
-    batches = batching.BucketedBatcher(train_ds, gb, buckets, train=True, seed=seed)
-    ev = batching.BucketedBatcher(eval_ds, config.train.eval_batch_size, eval_buckets,
-                                  train=False)
-    id2label = None if spec.labels is None else dict(enumerate(spec.labels))
-    return Data(batches, ev, eval_ds.labels, spec.name, spec.num_labels, id2label, train_ds)
-
-
-# A bucket's compilations are charged in train steps at this length (a compilation takes about
-# as long at any length, while a step grows with it).
-COMPILE_STEPS_LEN = 64
-# A dev bucket's charge against a train bucket's, per row of padding: its only compilation is
-# the eval program (~1/10 of a bucket's), and a dev row of padding costs a forward (~1/3 of a
-# train row); MRPC's dev set then pads 13% less (benchmarks/RESULTS.md#length-buckets-and-compilation).
-EVAL_BUCKET_SHARE = 0.3
-
-
-BUCKETS_RECORD = "buckets.json"
-
-
-def choose_buckets(config, train_lengths, eval_lengths,
-                   workdir: Optional[str] = None) -> Tuple[tuple, tuple]:
-    """(train buckets, eval buckets): config.data.buckets, or when () chosen from each set's
-    lengths for this run, weighing a bucket's compilations (data.bucket_compile_steps, made
-    concrete by speed.resolve) against
-    the padding it saves over the run's passes (train: its epochs; dev: its evaluations).
-
-    Chosen once per run: recorded in workdir/buckets.json and reused when the run resumes, so
-    a resume that changes num_epochs keeps the data plan the checkpoint was saved under."""
-    dc, tc = config.data, config.train
-    if dc.buckets:
-        b = batching.resolve_buckets(dc.buckets, dc.max_len)
-        return b, b
-    record = fs.join(workdir, BUCKETS_RECORD) if workdir else None
-    owned = bool(workdir) and owned_by_a_run(workdir)
-    if owned and fs.exists(record):
-        with fs.open_file(record) as fh:
-            saved = json.load(fh)
-        if saved.get("num_train") == len(train_lengths) and saved.get("max_len") == dc.max_len:
-            return tuple(saved["train"]), tuple(saved["eval"])
-    n = max(1, len(train_lengths))
-    epochs = (tc.num_steps * tc.batch_size / n) if tc.num_steps > 0 else tc.num_epochs
-    evals = (math.ceil(epochs * n / tc.batch_size / tc.eval_every) if tc.eval_every
-             else math.ceil(epochs))
-    # A run started before buckets.json existed chose its buckets with compilations free.
-    per_bucket = 0.0 if owned else float(  # auto resolved here too for a direct caller
-        speed.resolve(config, speed.backend())[0].data.bucket_compile_steps)
-    train = batching.resolve_buckets(
-        (), dc.max_len, train_lengths, dc.max_buckets, passes=max(epochs, 1e-9),
-        compile_cost=batching.compile_cost(per_bucket, tc.batch_size, COMPILE_STEPS_LEN))
-    # A dev bucket compiles only the eval program, and its padding costs forwards, not train
-    # steps: EVAL_BUCKET_SHARE of a train bucket's charge, in the train step's rows.
-    dev = batching.resolve_buckets(
-        (), dc.max_len, eval_lengths, dc.max_buckets, passes=max(evals, 1),
-        compile_cost=EVAL_BUCKET_SHARE * batching.compile_cost(per_bucket, tc.batch_size,
-                                                               COMPILE_STEPS_LEN))
-    if record and jax.process_index() == 0:
-        fs.makedirs(workdir)
-        fs.write_json_atomic(record, {"train": list(train), "eval": list(dev),
-                                      "num_train": len(train_lengths), "max_len": dc.max_len,
-                                      "bucket_compile_steps": per_bucket, "epochs": epochs})
-    return train, dev
 
 
 # --------------------------------------------------------------------------- objective, optimizer
 
-def build_objective(config, student_config: BertConfig,
-                    teacher_config: Optional[BertConfig]) -> objectives.Objective:
-    """config.objective (name + cfg) -> the configured Objective."""
+def build_objective(config, student_config: BertConfig, teacher_config: Optional[BertConfig],
+                    head: str = "sequence") -> objectives.Objective:
+    """config.objective (name + cfg) -> the configured Objective for the task's head."""
     cfg = {k: v for k, v in config.objective.to_dict().items() if k != "name"}
-    return objectives.make_objective(config.objective.name, cfg, student_config, teacher_config)
+    return objectives.make_objective(config.objective.name, cfg, student_config, teacher_config,
+                                     head)
 
 
 def with_defaults(config):
@@ -529,11 +417,11 @@ def build_run(config, workdir: str) -> Run:
     mesh = make_mesh(config)
     # Data first: the task fixes the number of labels of the student head.
     data = build_data(config, workdir, resolve_model_path(config.teacher.path))
-    models = build_models(config, data.num_labels, data.id2label)
+    models = build_models(config, data.num_labels, data.id2label, data.head)
     for who, c in (("student", models.student_config), ("teacher", models.teacher_config)):
         if c is not None:
             shd.check_model_axis(mesh, c.num_attention_heads, c.intermediate_size, who)
-    obj = build_objective(config, models.student_config, models.teacher_config)
+    obj = build_objective(config, models.student_config, models.teacher_config, data.head)
     total = total_steps(config, data.train_batches.steps_per_epoch)
     config, notes = speed.resolve(config, backend, run_facts(config, obj, data, total, mesh,
                                                               workdir))

@@ -8,10 +8,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jax_tinybert.data import position_tasks
 from jax_tinybert.model.export import export_hf
 from jax_tinybert.parallel import sharding as shd
 from jax_tinybert.progress import Progress
-from jax_tinybert.train import metrics as M
+from jax_tinybert.train import metrics as M, position_scores
 from jax_tinybert.train import step as step_lib
 from jax_tinybert.train.checkpoints import Checkpointer
 
@@ -42,7 +43,8 @@ def evaluate(eval_fn, params, data, mesh) -> Dict[str, float]:
     headline score)."""
     data.eval_batches.reset()
     preds, ids = [], []
-    with Progress("eval", total=len(data.eval_labels), unit="ex") as prog:
+    unit = "ex" if data.head == "sequence" else "rows"
+    with Progress("eval", total=len(data.eval_labels), unit=unit) as prog:
         for batch in data.eval_batches:
             keep = {k: batch[k] for k in step_lib.EVAL_KEYS}
             # Every process gets the global logits and, row for row, their examples' ids.
@@ -50,6 +52,11 @@ def evaluate(eval_fn, params, data, mesh) -> Dict[str, float]:
             ids.append(np.asarray(example_id).reshape(-1))
             preds.append(np.asarray(logits))
             prog.update(int((ids[-1] >= 0).sum()))
+    if data.head != "sequence":   # SQuAD windows / CoNLL sentences: rows placed by id
+        spec = position_tasks.get(data.task)
+        logits = position_scores.place_rows(preds, ids, len(data.eval_labels), data.max_len,
+                                            data.head)
+        return position_scores.score(data.eval_split, data.head, spec.version, logits)
     preds = np.concatenate(preds)
     ids = np.concatenate(ids)
     keep = ids >= 0
