@@ -1,0 +1,179 @@
+"""SQuAD and CoNLL-2003 through the command line on small slices of ../shared/data: teacher
+fine-tuning, TinyBERT's two task stages, KD and PKD (SQuAD v2.0), the teacher and the
+prediction stage (CoNLL), each exported as an HF *ForQuestionAnswering / *ForTokenClassification;
+the last exports re-scored by transformers' PyTorch classes (NER: its own tokenizer and seqeval,
+independently of the package), and the bad inputs a user makes."""
+import json
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from helpers import tiny_run as T
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHORT = ["--config.train.num_steps=3", "--config.train.batch_size=8",
+         "--config.train.eval_batch_size=8", "--config.train.log_every=1"]
+SQUAD = ["--config.data.max_len=64", "--config.data.max_query_len=16",
+         "--config.data.doc_stride=16", "--config.data.train_subset=24",
+         "--config.data.eval_subset=12"]
+CONLL = ["--config.data.max_len=48", "--config.data.train_subset=48",
+         "--config.data.eval_subset=40"]
+FROM_TEACHER = ["--config.student.init=teacher_layers", "--config.student.teacher_layers=2"]
+
+
+def _run(args, ok=True):
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *args], cwd=REPO, env=T.env(),
+                         capture_output=True, text=True, timeout=400)
+    if ok:
+        assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def _summary(workdir):
+    with open(pathlib.Path(workdir) / "summary.json") as fh:
+        return json.load(fh)
+
+
+def _architecture(export):
+    with open(pathlib.Path(export) / "config.json") as fh:
+        return json.load(fh)["architectures"][0]
+
+
+def test_squad_v2_every_stage(tmp_path, shared_dir):
+    """teacher -> intermediate -> prediction layer, KD and PKD on SQuAD v2.0 windows; every
+    export a BertForQuestionAnswering; the prediction stage's export re-scored in PyTorch gives
+    the run's own best_f1."""
+    data = [f"--config.data.data_dir={shared_dir / 'data' / 'squad' / 'v2.0'}",
+            f"--config.data.cache_dir={tmp_path / 'cache'}", *SQUAD, *SHORT]
+    base = T.tiny_teacher(tmp_path / "base")
+    w = {k: tmp_path / k for k in ("teacher", "inter", "pred", "kd", "pkd")}
+    _run(["--config=configs/finetune_teacher.py:squad20", f"--workdir={w['teacher']}",
+          f"--config.teacher.path={base}", *data])
+    teacher = [f"--config.teacher.path={w['teacher'] / 'export'}"]
+    _run(["--config=configs/task_distill.py:squad20_intermediate", f"--workdir={w['inter']}",
+          *teacher, *FROM_TEACHER, *data])
+    _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['pred']}", *teacher,
+          f"--config.student.path={w['inter'] / 'export'}", *data])
+    _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['kd']}", *teacher,
+          "--config.objective.name=kd", *FROM_TEACHER, *data])
+    _run(["--config=configs/pkd.py:squad20", f"--workdir={w['pkd']}", *teacher,
+          "--config.student.teacher_layers=(1,)", *data])
+    for k, d in w.items():
+        assert _architecture(d / "export") == "BertForQuestionAnswering", k
+        if k != "inter":
+            best = _summary(d)["best"]
+            assert {"exact", "f1", "best_f1", "HasAns_f1", "NoAns_f1"} <= set(best), best
+            assert 0.0 <= best["main"] <= 100.0
+    assert _rescored_squad(w["pred"] / "export", shared_dir) == pytest.approx(
+        _summary(w["pred"])["best"]["best_f1"], abs=1e-3)
+
+
+def _rescored_squad(export, shared_dir):
+    """best_f1 of the export's PyTorch logits over the dev windows (the run's windowing)."""
+    import torch
+    import transformers
+
+    from jax_tinybert.data import position_tasks
+    from jax_tinybert.train import position_scores
+
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    model = transformers.BertForQuestionAnswering.from_pretrained(export).eval()
+    spec = position_tasks.get("squad20")
+    dev = position_tasks.load(spec, "dev", tok, data_dir=str(shared_dir / "data/squad/v2.0"),
+                              max_len=64, doc_stride=16, max_query_len=16, subset=12,
+                              subset_seed=1)
+    enc = dev.encoded
+    rows = enc.gather(np.arange(len(enc)), 64)
+    with torch.no_grad():
+        out = model(**{k: torch.from_numpy(rows[k]).long()
+                       for k in ("input_ids", "attention_mask", "token_type_ids")})
+    logits = np.stack([out.start_logits.numpy(), out.end_logits.numpy()], 1)
+    return position_scores.score(dev, "span", "2.0", logits)["best_f1"]
+
+
+def test_conll_teacher_and_prediction_stage(tmp_path, shared_dir):
+    """NER teacher and TinyBERT prediction stage; the export (BertForTokenClassification with
+    the train file's labels as id2label) re-scored by transformers and seqeval gives the run's
+    own entity F1."""
+    data = [f"--config.data.data_dir={shared_dir / 'data' / 'conll2003'}",
+            f"--config.data.cache_dir={tmp_path / 'cache'}", *CONLL, *SHORT]
+    base = T.tiny_teacher(tmp_path / "base")
+    _run(["--config=configs/finetune_teacher.py:conll2003", f"--workdir={tmp_path / 'teacher'}",
+          f"--config.teacher.path={base}", "--config.optim.learning_rate=1e-3", *data])
+    _run(["--config=configs/task_distill.py:conll2003_pred", f"--workdir={tmp_path / 'pred'}",
+          f"--config.teacher.path={tmp_path / 'teacher' / 'export'}", *FROM_TEACHER, *data])
+    export = tmp_path / "pred" / "export"
+    assert _architecture(export) == "BertForTokenClassification"
+    with open(export / "config.json") as fh:
+        assert json.load(fh)["id2label"]["1"] == "B-PER"
+    f1 = _summary(tmp_path / "pred")["best"]["f1"]
+    assert _rescored_conll(export, shared_dir / "data" / "conll2003" / "dev.txt") == \
+        pytest.approx(f1, abs=1e-6)
+
+
+def _rescored_conll(export, dev_file):
+    """seqeval's F1 of the export's predictions at each word's first piece (transformers'
+    tokenizer and model; the dev file read here; 40 sentences drawn as the run draws them)."""
+    import torch
+    import transformers
+    from seqeval.metrics import f1_score
+
+    from jax_tinybert.data.tokenize import subset_indices
+
+    sents, cur = [], []
+    for line in open(dev_file, encoding="utf-8"):
+        parts = line.split()
+        if not parts or parts[0] == "-DOCSTART-":
+            if cur:
+                sents.append(cur)
+            cur = []
+            continue
+        cur.append((parts[0], parts[-1]))
+    if cur:
+        sents.append(cur)
+    idx = subset_indices(len(sents), 40, 1)
+    sents = [sents[i] for i in idx]
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    model = transformers.BertForTokenClassification.from_pretrained(export).eval()
+    id2label = model.config.id2label
+    gold, pred = [], []
+    for s in sents:
+        enc = tok([w for w, _ in s], is_split_into_words=True, truncation=True, max_length=48,
+                  return_tensors="pt")
+        with torch.no_grad():
+            best = model(**enc).logits[0].argmax(-1).numpy()
+        tags, prev = ["O"] * len(s), None
+        for t, w in enumerate(enc.word_ids()):
+            if w is not None and w != prev:
+                tags[w] = id2label[int(best[t])]
+            prev = w
+        gold.append([t for _, t in s])
+        pred.append(tags)
+    return f1_score(gold, pred)
+
+
+def test_bad_inputs_one_line_each(tmp_path, shared_dir):
+    """No data_dir, a misspelt task, an answer that is not at its answer_start: one line
+    naming the problem, exit 2, nothing trained."""
+    base = T.tiny_teacher(tmp_path / "base")
+    common = [f"--config.teacher.path={base}", "--config.data.max_len=64", *SHORT]
+    res = _run(["--config=configs/finetune_teacher.py:squad11", f"--workdir={tmp_path / 'a'}",
+                *common], ok=False)
+    assert res.returncode == 2 and "--config.data.data_dir" in res.stderr.strip().splitlines()[-1]
+    res = _run(["--config=configs/finetune_teacher.py", f"--workdir={tmp_path / 'b'}",
+                "--config.data.task=squad3", *common], ok=False)
+    assert res.returncode == 2 and "squad11, squad20, conll2003" in res.stderr
+    bad = tmp_path / "bad"
+    shutil.copytree(shared_dir / "data" / "squad" / "v1.1", bad)
+    doc = json.loads((bad / "train.json").read_text())
+    qa = doc["data"][0]["paragraphs"][0]["qas"][0]
+    qa["answers"][0]["answer_start"] += 3
+    (bad / "train.json").write_text(json.dumps(doc))
+    res = _run(["--config=configs/finetune_teacher.py:squad11", f"--workdir={tmp_path / 'c'}",
+                f"--config.data.data_dir={bad}", *common], ok=False)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "train.json" in last and qa["id"] in last, last
+    assert not (tmp_path / "c" / "checkpoints").exists()
