@@ -2,7 +2,8 @@
 
     python -m jax_tinybert.main --config=configs/finetune_teacher.py:sst2 --workdir=runs/sst2/teacher
 
-Variants: any GLUE task name (sst2, mrpc, stsb, cola, qqp, mnli, qnli, rte, wnli). The teacher
+Variants: any GLUE task name (sst2, mrpc, stsb, cola, qqp, mnli, qnli, rte, wnli), or squad11,
+squad20, conll2003 with --config.data.data_dir=DIR (docs/tasks.md). The teacher
 starts from `teacher.path` (default: the packaged all-MiniLM-L6-v2; e.g. bert-base-uncased when
 online) and the fine-tuned model is exported to <workdir>/export. Data: $GLUE_DIR/<TASK>/*.tsv.
 """

@@ -10,7 +10,7 @@
         --config.student.path=runs/sst2/inter/export
 
 Variants: "<task>_intermediate" / "<task>_pred" for every GLUE task (sst2, mrpc, stsb, cola, qqp,
-mnli, qnli, rte, wnli). Official recipe: batch 32, length 64 (single sentence) / 128 (pairs);
+mnli, qnli, rte, wnli) and squad11, squad20, conll2003 (docs/tasks.md). Official recipe: batch 32, length 64 (single sentence) / 128 (pairs);
 intermediate lr 5e-5 constant, ~10-20 epochs on augmented data (--config.data.train_file=
 .../train_aug.tsv); pred lr 3e-5, warmup 10% + linear decay, 3 epochs, T = 1.
 `--config.objective.mode=tinybert --config.optim.name=bertadam` reproduces the official code.
