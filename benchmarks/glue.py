@@ -50,6 +50,11 @@ task), W/stages.json the per-stage summaries.
 
     .venv/bin/python benchmarks/glue.py --budget cpu --tasks sst2 --workdir /tmp/glue_cpu
 
+`--budget cpu --tasks squad11|squad20|conll2003 [--data_dir DIR]`: the same rows (but tinybert+da
+and majority) on SQuAD v1.1 / v2.0 or CoNLL-2003 NER, DIR holding train.json + dev.json or
+train.txt + dev.txt (default ../shared/data/squad/v1.1, squad/v2.0, conll2003); dev = the
+official F1 (SQuAD v1.1 f1, v2.0 best_f1, in percent; CoNLL entity F1 in [0, 1]).
+
 `--budget small` is bounded by fixed per-stage costs (model load, XLA compiles, checkpoint,
 export: ~8 s a stage on 2 idle-ish cores), not by its 3 steps: 16 stages for the three tasks
 took 2 min 11 s here (load ~1.5); with `--tasks sst2` (tests/test_benchmarks_e2e.py) ~1 min.
@@ -302,7 +307,7 @@ CPU = dict(
     lr=dict(teacher=5e-5, inter=5e-5, pred=5e-5, kd=5e-5, pkd=5e-5, labels=5e-5),
     # Per-task overrides of `lr` (measured: MRPC's teacher 0.836 at 1e-4 against 0.827 at 5e-5
     # and 0.791 at 2e-4, 5 epochs; benchmarks/RESULTS.md#the-recipes-accuracy-choices).
-    task_lr=dict(mrpc=dict(teacher=1e-4)),
+    task_lr=dict(mrpc=dict(teacher=1e-4), squad11=dict(teacher=1e-4), squad20=dict(teacher=1e-4)),
     da_K=15, da_p=0.4,
     # The student is as wide as the teacher (384): its hidden states are matched to the
     # teacher's directly, not through a learned fit_dense, so they stay in the teacher's space
@@ -322,13 +327,45 @@ MINILM_ROWS = {"minilm": ("minilm", 0), "minilmv2": ("minilmv2", 0),
                "minilmv2-6heads": ("minilmv2", 6)}
 CPU_ROWS = ("teacher", "tinybert", "tinybert+da", "pkd", "kd", "labels-only", "majority")
 CPU_OPTIONAL_ROWS = tuple(MINILM_ROWS)   # run when --rows names them
+# The position tasks (docs/tasks.md): their data folder under ../shared/data by default (--data_dir
+# overrides), and per stage the epochs of the budget: a SQuAD row of 384 tokens costs ~8 SST-2
+# rows, so its stages see ~7.7k windows (1 epoch; the teacher 2, run_qa's) for about an hour per
+# task on 2 cores. No DA rows (augmented contexts would need their answers re-found) and no
+# majority row (SQuAD's is the null answer everywhere, CoNLL's an F1 of 0). CoNLL: 14k sentences of ~35 pieces, 3 teacher
+# and 2 student epochs (~42k / 28k rows a stage). None of these epochs is tuned yet.
+POSITION_TASKS = {"squad11": dict(data="squad/v1.1", teacher_epochs=2.0, student_epochs=1.0),
+                  "squad20": dict(data="squad/v2.0", teacher_epochs=2.0, student_epochs=1.0),
+                  "conll2003": dict(data="conll2003", teacher_epochs=3.0, student_epochs=2.0)}
 
 
 def _train_rows(args, task: str) -> int:
+    from jax_tinybert.data import glue, position_tasks
+
+    if task in POSITION_TASKS:
+        n = len(position_tasks.read(position_tasks.get(task), "train",
+                                    data_dir=_data_dir(args, task)))
+    else:
+        n = len(glue.load_examples(task, "train", glue_dir=args.glue_dir))
+    return min(n, args.train_subset) if args.train_subset else n
+
+
+def _data_dir(args, task: str) -> str:
+    """A position task's data folder: --data_dir, else ../shared/data/<its folder>."""
+    return os.path.abspath(args.data_dir or os.path.join(
+        REPO, "..", "shared", "data", POSITION_TASKS[task]["data"]))
+
+
+def _task_name(task: str) -> str:
     from jax_tinybert.data import glue
 
-    n = len(glue.load_examples(task, "train", glue_dir=args.glue_dir))
-    return min(n, args.train_subset) if args.train_subset else n
+    return task if task in POSITION_TASKS else glue.get_task(task).dir_name
+
+
+def _main_metric(task: str) -> str:
+    from jax_tinybert.data import glue, position_tasks
+
+    spec = position_tasks.get(task)
+    return spec.main_metric if spec else glue.get_task(task).main_metric
 
 
 def cpu_epochs(n_train: int, max_epochs: float) -> float:
@@ -344,6 +381,9 @@ def _cpu_common(args, task: str, epochs: float, lr: float) -> dict:
          "train.checkpoint_every": 500, **_dtype_overrides(args)}
     if args.max_steps:
         o["train.num_steps"] = args.max_steps
+    if task in POSITION_TASKS:
+        o["data.data_dir"] = _data_dir(args, task)
+        o["train.eval_batch_size"] = CPU["batch"]   # rows of up to 384 tokens
     return o
 
 
@@ -405,17 +445,20 @@ def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int,
 
 def run_task_cpu(args, task: str) -> Dict[str, dict]:
     """Every stage of one task on its full train set; returns {stage: summary}."""
-    from jax_tinybert.data import glue
-
-    spec = glue.get_task(task)
     tdir = os.path.join(args.workdir, task)
     teacher_export = os.path.join(tdir, "teacher", "export")
     n = _train_rows(args, task)
     te = cpu_epochs(n, args.teacher_max_epochs or CPU["teacher_max_epochs"])
     se = cpu_epochs(n, args.student_max_epochs or CPU["student_max_epochs"])
+    pos = POSITION_TASKS.get(task)
+    if pos and pos["teacher_epochs"]:
+        te = args.teacher_max_epochs or pos["teacher_epochs"]
+        se = args.student_max_epochs or pos["student_epochs"]
     want = set(args.rows.split(",")) if args.rows else set(CPU_ROWS)
-    print(f"[glue cpu] {spec.dir_name}: {n} train rows; teacher {te:.2f} epochs, student stages "
-          f"{se:.2f} epochs each", flush=True)
+    if pos:
+        want -= {"tinybert+da", "majority"}
+    print(f"[glue cpu] {_task_name(task)}: {n} train examples; teacher {te:.2f} epochs, student "
+          f"stages {se:.2f} epochs each", flush=True)
     lr = {**CPU["lr"], **CPU["task_lr"].get(task, {}), **args.lr}
     res: Dict[str, dict] = {"recipe": {"teacher_epochs": te, "student_epochs": se, "lr": lr,
                                        "init_layers": list(args.init_layers),
@@ -485,9 +528,6 @@ def _export_dev(summary: dict) -> Optional[float]:
 
 def cpu_rows(args, task: str, res: Dict[str, dict]) -> List[dict]:
     """results.json rows: {"task", "model", "dev", "metric", "export", "params", "wall_s"}."""
-    from jax_tinybert.data import glue
-
-    spec = glue.get_task(task)
     stages = {"teacher": ("teacher",), "tinybert": ("inter", "pred"),
               "tinybert+da": ("inter_da", "pred_da"), "pkd": ("pkd",), "kd": ("kd",),
               "labels-only": ("labels",),
@@ -501,15 +541,16 @@ def cpu_rows(args, task: str, res: Dict[str, dict]) -> List[dict]:
         wall = sum(res[x]["wall_s"] for x in st)
         if model == "tinybert+da":
             wall += res["da_info"]["wall_s"]
-        rows.append({"task": spec.dir_name, "model": model, "dev": _export_dev(last),
-                     "metric": spec.main_metric, "export": os.path.abspath(last["export"]),
+        rows.append({"task": _task_name(task), "model": model, "dev": _export_dev(last),
+                     "metric": _main_metric(task), "export": os.path.abspath(last["export"]),
                      "params": last["student_params"], "wall_s": round(wall, 1),
                      "recipe": res.get("recipe"),
                      "stages": {x: {"steps": res[x]["steps"], "wall_s": round(res[x]["wall_s"], 1)}
                                 for x in st}})
-    maj = majority_baseline(args, task)
-    rows.append({"task": spec.dir_name, "model": "majority", "dev": maj,
-                 "metric": spec.main_metric, "export": None, "params": 0, "wall_s": 0.0})
+    if task not in POSITION_TASKS:
+        rows.append({"task": _task_name(task), "model": "majority",
+                     "dev": majority_baseline(args, task), "metric": _main_metric(task),
+                     "export": None, "params": 0, "wall_s": 0.0})
     return rows
 
 
@@ -531,9 +572,7 @@ def record_rows(rows: List[dict], dtype: str) -> List[dict]:
 
 
 def cpu_rows_of(rows: List[dict], task: str) -> List[dict]:
-    from jax_tinybert.data import glue
-
-    name = glue.get_task(task).dir_name
+    name = _task_name(task)
     return [r for r in rows if r["task"] == name]
 
 
@@ -805,6 +844,10 @@ def main(argv=None) -> str:
     ap.add_argument("--budget", choices=sorted(BUDGETS), default="small")
     ap.add_argument("--glue_dir", default=os.path.join(REPO, "..", "shared", "data", "glue"))
     ap.add_argument("--corpus", default=os.path.join(REPO, "..", "shared", "data", "corpus"))
+    ap.add_argument("--data_dir", default="",
+                    help="budget cpu, squad11 / squad20 / conll2003: the folder holding train.json + "
+                    "dev.json (SQuAD) or train.txt + dev.txt (CoNLL); default ../shared/data/squad/"
+                    "v1.1, squad/v2.0 or conll2003")
     ap.add_argument("--tasks", default=",".join(TASKS),
                     help="comma list of GLUE task names (sst2, mrpc, stsb; with --budget cpu any "
                     "of cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli)")
@@ -928,11 +971,12 @@ def main(argv=None) -> str:
     for r in filter(None, args.rows.split(",")):
         if r not in CPU_ROWS + CPU_OPTIONAL_ROWS:
             ap.error(f"--rows: {r!r} is not one of {','.join(CPU_ROWS + CPU_OPTIONAL_ROWS)}")
-    allowed = ALL_GLUE if args.budget == "cpu" else TASKS
+    allowed = ALL_GLUE + tuple(POSITION_TASKS) if args.budget == "cpu" else TASKS
     for t in tasks:
         if t not in allowed:
             ap.error(f"--tasks: {t!r} is not one of {allowed}"
-                     + ("" if args.budget == "cpu" else " (--budget cpu takes all nine)"))
+                     + ("" if args.budget == "cpu" else " (--budget cpu takes all nine, and "
+                        "squad11, squad20, conll2003)"))
     if not os.path.isdir(args.glue_dir):
         ap.error(f"--glue_dir {args.glue_dir} does not exist")
     os.makedirs(args.workdir, exist_ok=True)
@@ -947,8 +991,15 @@ def main(argv=None) -> str:
 
     if args.budget == "cpu":
         for t in tasks:
-            from jax_tinybert.data import glue
+            from jax_tinybert.data import glue, position_tasks
 
+            if t in POSITION_TASKS:
+                spec = position_tasks.get(t)
+                for f in spec.files.values():
+                    if not os.path.isfile(os.path.join(_data_dir(args, t), f)):
+                        ap.error(f"--tasks {t}: {os.path.join(_data_dir(args, t), f)} not found "
+                                 f"(--data_dir must hold {' + '.join(spec.files.values())})")
+                continue
             p = glue.tsv_path(args.glue_dir, glue.get_task(t), "train")
             if not os.path.exists(p):
                 ap.error(f"--tasks {t}: {p} not found (expected <glue_dir>/<TaskFolder>/train.tsv)")

@@ -62,3 +62,17 @@ def test_inference_smoke(tmp_path):
     rows = json.loads(js.read_text())
     assert len(rows) == 4 and all(r["latency_ms"] > 0 and r["throughput"] > 0 for r in rows)
     assert stdout.count("| student") == 2 and stdout.count("| teacher") == 2
+
+
+def test_glue_cpu_budget_takes_the_position_tasks(tmp_path):
+    """--budget cpu --tasks conll2003: the teacher and labels-only rows wired (one step each on
+    40 sentences), results.json rows with the entity F1 as the metric and no majority row."""
+    wd = tmp_path / "wd"
+    args = [str(REPO / "benchmarks" / "glue.py"), "--budget", "cpu", "--tasks", "conll2003",
+            "--rows", "teacher,labels-only", "--max_steps", "1", "--train_subset", "40",
+            "--eval_subset", "8", "--workdir", str(wd)]
+    stdout = _run(args, tmp_path, timeout=600)
+    assert "| conll2003 | labels-only |" in stdout, stdout[-3000:]
+    rows = json.loads((wd / "results.json").read_text())
+    assert [r["model"] for r in rows] == ["teacher", "labels-only"], rows
+    assert all(r["metric"] == "f1" and 0.0 <= r["dev"] <= 1.0 for r in rows), rows
