@@ -121,3 +121,27 @@ def test_export_refuses_a_head_without_its_encoder(tmp_path):
 def _saved(tmp_path):
     _torch_model("bert", "span").save_pretrained(tmp_path / "s")
     return tmp_path / "s"
+
+
+def test_a_hub_ner_model_is_relabelled_by_name(tmp_path):
+    """A token classifier whose id2label orders the tags otherwise (as hub NER models do) is put
+    in the data's order: its logits, columns permuted, equal the original's by tag name; a model
+    naming other tags stops with one line."""
+    from jax_tinybert.data.conll import HF_LABELS
+    from jax_tinybert.data.glue import DataError
+
+    theirs = ("O", "B-MISC", "I-MISC", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC")
+    model = transformers.BertForTokenClassification(transformers.BertConfig(
+        **dict(SMALL, num_labels=9), max_position_embeddings=64,
+        id2label=dict(enumerate(theirs)))).eval()
+    model.save_pretrained(tmp_path / "m")
+    config, params = load_pretrained(str(tmp_path / "m"), head="token")
+    ids, mask = _batch(0)
+    before = _ours(config, params, "token", ids, mask)
+    config2, params2 = heads.relabel(config, params, HF_LABELS)
+    after = _ours(config2, params2, "token", ids, mask)
+    for j, tag in enumerate(HF_LABELS):
+        np.testing.assert_allclose(after[..., j], before[..., theirs.index(tag)], atol=1e-6)
+    assert config2.id2label == dict(enumerate(HF_LABELS))
+    with pytest.raises(DataError, match=r"missing \['B-FOO'\]"):
+        heads.relabel(config, params, ("O", "B-FOO") + HF_LABELS[1:])

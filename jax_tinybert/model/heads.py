@@ -16,6 +16,9 @@ from typing import Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
+
+from jax_tinybert.data import conll
 
 from jax_tinybert.model.modeling import BertModel, LayerSelection, _BertModule
 from jax_tinybert.speed.dropout import Dropout
@@ -124,3 +127,19 @@ def init_head(config, head: str, rng) -> dict:
     dense = nn.Dense(n, kernel_init=nn.initializers.normal(config.initializer_range))
     return dense.init(rng, jnp.zeros((1, config.hidden_size), jnp.float32))["params"]
 
+
+def relabel(config, params: dict, labels, who: str = "teacher"):
+    """A token head's outputs put in `labels`' order by name (a hub NER model's id2label may
+    order them otherwise): the classifier's columns and bias permuted, id2label replaced.
+    Unnamed labels (LABEL_i) are taken as already in order; a model that names other labels
+    stops with one line (conll.remap). -> (config, params)."""
+    names = config.id2label or {}
+    ordered = [names.get(i) for i in range(len(names))]
+    if not names or ordered == list(labels) or all(v == f"LABEL_{k}" for k, v in names.items()):
+        return config, params
+    ours = conll.remap(names, labels, who)   # the model's output i is our label ours[i]
+    take = np.argsort(ours)                  # our label j is the model's output take[j]
+    head = params["token_classifier"]
+    new = {"kernel": np.asarray(head["kernel"])[:, take], "bias": np.asarray(head["bias"])[take]}
+    return (config.replace(id2label=dict(enumerate(labels))),
+            dict(params, token_classifier=new))

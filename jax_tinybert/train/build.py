@@ -116,6 +116,13 @@ class Models:
                 else teacher_fingerprint.params_fingerprint(self.teacher_params))
 
 
+def _relabelled(loaded, head: str, id2label: Optional[dict], who: str):
+    """(config, params) with a token head's outputs in the data's label order (heads.relabel)."""
+    if head != "token" or not id2label or heads.head_of(loaded[1]) != "token":
+        return loaded
+    return heads.relabel(*loaded, list(id2label.values()), who)
+
+
 def build_models(config, num_labels: int, id2label: Optional[dict],
                  head: str = "sequence") -> Models:
     """Teacher (frozen) and student (initial params, float32 numpy) from the config, both with
@@ -126,7 +133,8 @@ def build_models(config, num_labels: int, id2label: Optional[dict],
     needs_teacher = config.objective.name != "finetune"
     # Read on first use only: fine-tuning from the teacher's own folder loads it once, as the
     # student (a second read traced the model for its shapes again: ~0.45 s of start-up).
-    teacher_folder = functools.cache(lambda: load_pretrained(tpath, head=head))
+    teacher_folder = functools.cache(lambda: _relabelled(load_pretrained(tpath, head=head),
+                                                         head, id2label, "teacher"))
     if needs_teacher:
         teacher_config, teacher_params = teacher_folder()
         teacher = teacher_module(config, teacher_config, head=head,
@@ -136,6 +144,7 @@ def build_models(config, num_labels: int, id2label: Optional[dict],
         path = resolve_model_path(sc.path or tpath)
         scfg, sparams = load_pretrained(path, for_classification=True, num_labels=num_labels,
                                         seed=config.train.seed, head=head)
+        scfg, sparams = _relabelled((scfg, sparams), head, id2label, "student")
     elif sc.init == "teacher_layers":
         tcfg, tparams = teacher_folder()
         scfg, sparams = students.from_teacher_layers(sc, tcfg, tparams, num_labels, rng, head)
