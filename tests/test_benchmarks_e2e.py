@@ -76,3 +76,14 @@ def test_glue_cpu_budget_takes_the_position_tasks(tmp_path):
     rows = json.loads((wd / "results.json").read_text())
     assert [r["model"] for r in rows] == ["teacher", "labels-only"], rows
     assert all(r["metric"] == "f1" and 0.0 <= r["dev"] <= 1.0 for r in rows), rows
+
+
+def test_torch_finetune_reference_runs_both_sides(tmp_path):
+    """benchmarks/torch_finetune.py: ours and the PyTorch fine-tune of the packaged MiniLM on
+    32 CoNLL sentences, one row each with an entity F1."""
+    stdout = _run([str(REPO / "benchmarks" / "torch_finetune.py"), "--task", "conll2003",
+                   "--seeds", "0", "--epochs", "1", "--train_subset", "32", "--eval_subset", "8",
+                   "--max_len", "32", "--workdir", str(tmp_path / "wd")], tmp_path, timeout=600)
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"task"')]
+    assert [r["side"] for r in rows] == ["ours", "torch"], stdout[-2000:]
+    assert all(0.0 <= r["f1"] <= 1.0 and r["steps"] == 1 for r in rows), rows

@@ -221,8 +221,9 @@ def window_starts(n_tokens: int, budget: int, doc_stride: int) -> List[int]:
     """First context token of each window: windows of `budget` tokens, overlapping by
     `doc_stride`, the last one reaching the end (HF tokenizers' overflow with `stride`)."""
     if budget <= doc_stride:
-        raise ValueError(f"a window has room for {budget} context tokens, not more than "
-                         f"doc_stride={doc_stride}; raise max_len or lower doc_stride/max_query_len")
+        raise DataError(f"a window has room for {budget} context tokens, not more than "
+                        f"config.data.doc_stride={doc_stride}; raise config.data.max_len or lower "
+                        "config.data.doc_stride / max_query_len")
     starts, s = [0], 0
     while s + budget < n_tokens:
         s += budget - doc_stride
