@@ -53,8 +53,12 @@ def test_squad_v2_every_stage(tmp_path, shared_dir):
     _run(["--config=configs/finetune_teacher.py:squad20", f"--workdir={w['teacher']}",
           f"--config.teacher.path={base}", *data])
     teacher = [f"--config.teacher.path={w['teacher'] / 'export'}"]
-    _run(["--config=configs/task_distill.py:squad20_intermediate", f"--workdir={w['inter']}",
-          *teacher, *FROM_TEACHER, *data])
+    # cache_tokens=always: a span task's teacher runs in the step (its per-token cache would
+    # store per-example logits of one shape beside the features), the run goes on
+    res = _run(["--config=configs/task_distill.py:squad20_intermediate",
+                f"--workdir={w['inter']}", "--config.teacher.cache_tokens=always", *teacher,
+                *FROM_TEACHER, *data])
+    assert "teacher per-token cache: no (not cacheable)" in res.stderr
     _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['pred']}", *teacher,
           f"--config.student.path={w['inter'] / 'export'}", *data])
     _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['kd']}", *teacher,

@@ -455,8 +455,10 @@ def token_cache_fits(config, objective, data, total: int,
 
 
 def token_cacheable(config, objective, data) -> bool:
-    """Whether the intermediate stage's per-token teacher outputs can be cached at all."""
+    """Whether the intermediate stage's per-token teacher outputs can be cached at all (not for
+    span / token heads: the cache stores per-example logits beside them, of one shape)."""
     return bool(objective.teacher_token_cacheable and not config.teacher.dropout
+                and getattr(objective, "head", "sequence") == "sequence"
                 and isinstance(data.train_dataset, tokenize.EncodedDataset))
 
 
