@@ -218,3 +218,62 @@ def test_cli_mistakes_are_one_line_errors(glue_dir, tmp_path, monkeypatch, capsy
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "error: SST-2 train: file not found:")
     assert not out.exists()
+
+
+def _squad_slice(shared_dir, tmp_path, n_paragraphs=3):
+    import json
+
+    doc = json.loads((shared_dir / "data" / "squad" / "v2.0" / "train.json").read_text())
+    doc["data"] = [dict(doc["data"][0], paragraphs=doc["data"][0]["paragraphs"][:n_paragraphs])]
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_squad_questions_augmented_answers_kept(tok, mlm, shared_dir, tmp_path):
+    """Each question then its copies (ids <id>_aug<k>), contexts and answers untouched, so the
+    file reads back with every answer at its answer_start; v2.0's unanswerable flags kept."""
+    from jax_tinybert.data import squad
+
+    src = _squad_slice(shared_dir, tmp_path)
+    out = tmp_path / "train_aug.json"
+    stats = _aug(tok, mlm, N=4).augment_squad(str(src), str(out))
+    orig = squad.read_squad_file(str(src))
+    back = squad.read_squad_file(str(out))   # re-checks every answer's offsets
+    assert stats == {"rows_in": len(orig), "rows_out": len(back)} and len(back) > len(orig)
+    by_id = {e.id: e for e in orig}
+    changed = 0
+    for e in back:
+        o = by_id[e.id.split("_aug")[0]]
+        assert (e.context, e.answers, e.answer_starts, e.is_impossible) == \
+            (o.context, o.answers, o.answer_starts, o.is_impossible)
+        changed += e.question != o.question
+        assert (e.question == o.question) == (e.id == o.id)
+    assert changed == len(back) - len(orig)
+
+
+def test_conll_augments_only_words_tagged_o(tok, mlm, shared_dir, tmp_path):
+    """Entity words never change, O words do, tags stay in place, one word for one."""
+    from jax_tinybert.data import conll
+
+    lines = (shared_dir / "data" / "conll2003" / "dev.txt").read_text().splitlines()[:300]
+    src = tmp_path / "dev.txt"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "train_aug.txt"
+    stats = _aug(tok, mlm, N=3).augment_conll(str(src), str(out))
+    orig, back = conll.read_conll(str(src)), conll.read_conll(str(out))
+    assert stats["rows_out"] == len(back) > len(orig) == stats["rows_in"]
+    pos, changed = 0, 0
+    for i, s in enumerate(orig):
+        assert back[pos].words == s.words and back[pos].tags == s.tags   # the original first
+        pos += 1
+        nxt = orig[i + 1].words if i + 1 < len(orig) else None
+        while pos < len(back) and back[pos].words != nxt:   # then its copies
+            copy = back[pos]
+            assert copy.tags == s.tags and len(copy.words) == len(s.words)
+            for w, x, t in zip(s.words, copy.words, s.tags):
+                if t != "O":
+                    assert x == w, (w, x, t)
+                changed += x != w
+            pos += 1
+    assert pos == len(back) and changed > 0

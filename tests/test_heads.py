@@ -145,3 +145,16 @@ def test_a_hub_ner_model_is_relabelled_by_name(tmp_path):
     assert config2.id2label == dict(enumerate(HF_LABELS))
     with pytest.raises(DataError, match=r"missing \['B-FOO'\]"):
         heads.relabel(config, params, ("O", "B-FOO") + HF_LABELS[1:])
+
+
+def test_a_span_checkpoint_reads_as_an_encoder_and_a_classifier(tmp_path):
+    """A QA export read as a bare encoder (augmentation's embeddings, another task's student):
+    its encoder weights as they are, a new pooler where the layout has one."""
+    path = _saved(tmp_path)
+    config, qa = load_pretrained(str(path), head="span")
+    config2, enc = load_pretrained(str(path), for_classification=False)
+    assert "pooler" in enc and "pooler" not in qa["bert"]
+    np.testing.assert_array_equal(enc["embeddings"]["word_embeddings"]["embedding"],
+                                  qa["bert"]["embeddings"]["word_embeddings"]["embedding"])
+    _, cls = load_pretrained(str(path), for_classification=True, num_labels=3)
+    assert cls["classifier"]["kernel"].shape == (64, 3)

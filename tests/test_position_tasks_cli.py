@@ -99,7 +99,7 @@ def _rescored_squad(export, shared_dir):
 
 
 def test_conll_teacher_and_prediction_stage(tmp_path, shared_dir):
-    """NER teacher and TinyBERT prediction stage; the export (BertForTokenClassification with
+    """NER teacher and TinyBERT prediction stage (on augmented sentences); the export (BertForTokenClassification with
     the train file's labels as id2label) re-scored by transformers and seqeval gives the run's
     own entity F1."""
     data = [f"--config.data.data_dir={shared_dir / 'data' / 'conll2003'}",
@@ -107,8 +107,19 @@ def test_conll_teacher_and_prediction_stage(tmp_path, shared_dir):
     base = T.tiny_teacher(tmp_path / "base")
     _run(["--config=configs/finetune_teacher.py:conll2003", f"--workdir={tmp_path / 'teacher'}",
           f"--config.teacher.path={base}", "--config.optim.learning_rate=1e-3", *data])
+    # TinyBERT's augmentation of the words tagged O (the teacher's embedding neighbours) on a
+    # slice of the train file, read by the prediction stage as its train_file
+    lines = (shared_dir / "data" / "conll2003" / "train.txt").read_text().splitlines()[:400]
+    (tmp_path / "slice.txt").write_text("\n".join(lines) + "\n")
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.data.augment", "--task", "conll2003",
+                          "--train_file", str(tmp_path / "slice.txt"), "--mode", "embedding",
+                          "--encoder", str(tmp_path / "teacher" / "export"), "--N", "2",
+                          "--out", str(tmp_path / "aug")], cwd=REPO, env=T.env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
     _run(["--config=configs/task_distill.py:conll2003_pred", f"--workdir={tmp_path / 'pred'}",
-          f"--config.teacher.path={tmp_path / 'teacher' / 'export'}", *FROM_TEACHER, *data])
+          f"--config.teacher.path={tmp_path / 'teacher' / 'export'}", *FROM_TEACHER, *data,
+          f"--config.data.train_file={tmp_path / 'aug' / 'train_aug.txt'}"])
     export = tmp_path / "pred" / "export"
     assert _architecture(export) == "BertForTokenClassification"
     with open(export / "config.json") as fh:

@@ -445,8 +445,7 @@ def check_paths(config) -> None:
     dc = config.data
     position = position_tasks.get(dc.task) if dc.kind == "glue" else None
     if position and dc.source == "tsv":
-        for split in position.files:
-            position_tasks.file_path(position, split, dc.data_dir)
+        position_tasks.check_files(position, dc.data_dir, dc.train_file)
     elif dc.kind == "glue" and dc.source == "tsv":
         glue.check_files(glue.get_task(dc.task), dc.glue_dir, dc.train_file)
     if dc.kind == "corpus":

@@ -24,15 +24,22 @@ As in the official script, duplicate outputs are dropped (`dedupe`), so an examp
 most N new sentences; for sentence-pair tasks each side is augmented separately with the other
 side kept. Randomness is drawn per (seed, row, column), so results do not depend on batching.
 
+SQuAD (`augment_squad`): the questions are augmented, the contexts kept, so every answer keeps its
+offsets; CoNLL (`augment_conll`): only words tagged O are replaced, one for one, so the tags stay
+in place. The file each writes is the stage's `--config.data.train_file`.
+
 CLI: python -m jax_tinybert.data.augment --task SST-2 --glue_dir GLUE --mlm bert-base-uncased \
        --out OUT_DIR_OR_FILE.tsv [--glove_path glove.6B.300d.txt] [--N 20 --K 15 --p 0.4 --seed 42]
      python -m jax_tinybert.data.augment --task SST-2 --glue_dir GLUE --mode embedding \
        --encoder TEACHER_FOLDER --out OUT_DIR
+     python -m jax_tinybert.data.augment --task squad11 --data_dir ../shared/data/squad/v1.1 \
+       --mode embedding --encoder TEACHER_FOLDER --out runs/squad11/train_aug.json
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import os
 import sys
@@ -44,7 +51,7 @@ import numpy as np
 
 from jax_tinybert import fs
 from jax_tinybert.model import hf
-from jax_tinybert.data import glue, words as word_schemes
+from jax_tinybert.data import conll, glue, position_tasks, squad, words as word_schemes
 from jax_tinybert.data.tokenize import load_tokenizer, special_template
 from jax_tinybert.errors import PathError, tool_exit
 from jax_tinybert.model.modeling import BertForMaskedLM, BertModel, _MLMHead
@@ -384,6 +391,61 @@ class Augmenter:
         return {"rows_in": len(rows), "rows_out": n_out}
 
 
+    def augment_squad(self, in_path: str, out_path: str) -> Dict:
+        """A SQuAD JSON file with its questions augmented, the contexts (and so the answers'
+        offsets) kept: each question followed by up to N copies with words replaced, ids
+        '<id>_aug<k>', the same answers. Written atomically in the official format."""
+        examples = squad.read_squad_file(in_path)
+        v2 = any(e.is_impossible for e in examples) or _squad_version(in_path) == "2.0"
+        aug = self.augment_sentences([e.question for e in examples],
+                                     [(i, 0) for i in range(len(examples))])
+        paragraphs: Dict[Tuple[str, str], List[dict]] = {}
+        for e, new in zip(examples, aug):
+            qas = paragraphs.setdefault((e.title, e.context), [])
+            for k, q in enumerate([e.question] + new):
+                qa = {"id": e.id if k == 0 else f"{e.id}_aug{k}", "question": q,
+                      "answers": [{"text": t, "answer_start": a}
+                                  for t, a in zip(e.answers, e.answer_starts)]}
+                if v2:
+                    qa["is_impossible"] = e.is_impossible
+                qas.append(qa)
+        articles: Dict[str, List[dict]] = {}
+        for (title, context), qas in paragraphs.items():
+            articles.setdefault(title, []).append({"context": context, "qas": qas})
+        doc = {"version": "v2.0" if v2 else "1.1",
+               "data": [{"title": t, "paragraphs": p} for t, p in articles.items()]}
+        fs.clean_stale_temps(out_path)
+        with fs.atomic_open(out_path, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        n_out = sum(len(q) for q in paragraphs.values())
+        return {"rows_in": len(examples), "rows_out": n_out}
+
+    def augment_conll(self, in_path: str, out_path: str, column: int = -1) -> Dict:
+        """A CoNLL file with its sentences augmented where the labels stay true: only words
+        tagged O are replaced, one word for one, so every tag keeps its word's place. Written
+        as 'word TAG' lines (IOB2; read with ner_column -1), each sentence followed by its
+        copies, atomically."""
+        sents = conll.read_conll(in_path, column)
+        texts = [" ".join(s.words) for s in sents]
+        cands = self.candidates(texts)
+        fs.clean_stale_temps(out_path)
+        n_out = 0
+        with fs.atomic_open(out_path, "w", encoding="utf-8") as f:
+            for i, (sent, text, c) in enumerate(zip(sents, texts, cands)):
+                outside = {w: v for w, v in c.items() if sent.tags[w] == "O"}
+                rng = np.random.default_rng([self.seed, i, 0])
+                for words in [list(sent.words)] + [t.split() for t in
+                                                    self.sample(text, outside, rng)]:
+                    f.write("".join(f"{w} {t}\n" for w, t in zip(words, sent.tags)) + "\n")
+                    n_out += 1
+        return {"rows_in": len(sents), "rows_out": n_out}
+
+
+def _squad_version(path: str) -> str:
+    with fs.open_file(path, "rb") as fh:
+        return str(json.loads(fh.read().decode("utf-8")).get("version", "")).lstrip("v")
+
+
 def _resolve(flag: str, path_or_name: str) -> str:
     """hf.resolve_path, its error naming `flag` and what works without the hub."""
     try:
@@ -399,7 +461,10 @@ def _resolve(flag: str, path_or_name: str) -> str:
 def _main(argv=None):
     ap = argparse.ArgumentParser(description="TinyBERT data augmentation -> <out>/train_aug.tsv")
     ap.add_argument("--task", required=True)
-    ap.add_argument("--glue_dir", required=True, help="GLUE folder (<glue_dir>/<Task>/train.tsv)")
+    ap.add_argument("--glue_dir", default="", help="GLUE folder (<glue_dir>/<Task>/train.tsv)")
+    ap.add_argument("--data_dir", default="",
+                    help="--task squad11 / squad20 / conll2003: the folder holding train.json / "
+                    "train.txt (SQuAD: the questions are augmented; CoNLL: the words tagged O)")
     ap.add_argument("--mode", choices=MODES, default="mlm",
                     help="mlm: masked-LM candidates (the paper); embedding: word-embedding "
                     "neighbours of --encoder, no MLM needed")
@@ -432,7 +497,11 @@ def _main(argv=None):
         ap.error("--mode embedding needs --encoder (any HF BERT folder, e.g. the teacher)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    spec = glue.get_task(args.task)
+    position = position_tasks.get(args.task)
+    spec = None if position else glue.get_task(args.task)
+    where = "--data_dir" if position else "--glue_dir"
+    if not (args.data_dir if position else args.glue_dir) and not args.train_file:
+        ap.error(f"--task {args.task} needs {where}")
     glove = EmbeddingTable.from_glove(args.glove_path, args.glove_max_words) if args.glove_path else None
     common = dict(glove=glove, N=args.N, K=args.K, p=args.p, seed=args.seed,
                   max_seq_len=args.max_seq_len, batch_size=args.batch_size,
@@ -449,10 +518,17 @@ def _main(argv=None):
         _, params = hf.load_pretrained(model, for_classification=False)
         emb = hf.bert_params(params)["embeddings"]["word_embeddings"]["embedding"]
         aug = Augmenter(tok, mode="embedding", word_embeddings=emb, **common)
-    src = args.train_file or glue.tsv_path(args.glue_dir, spec, "train")
-    out = args.out if args.out.endswith(".tsv") else os.path.join(args.out, "train_aug.tsv")
     t0 = time.time()
-    stats = aug.augment_tsv(spec, src, out, max_rows=args.max_rows)
+    if position:
+        src = args.train_file or position_tasks.file_path(position, "train", args.data_dir)
+        ext = os.path.splitext(position.files["train"])[1]
+        out = args.out if args.out.endswith(ext) else os.path.join(args.out, "train_aug" + ext)
+        stats = (aug.augment_squad(src, out) if position.head == "span"
+                 else aug.augment_conll(src, out))
+    else:
+        src = args.train_file or glue.tsv_path(args.glue_dir, spec, "train")
+        out = args.out if args.out.endswith(".tsv") else os.path.join(args.out, "train_aug.tsv")
+        stats = aug.augment_tsv(spec, src, out, max_rows=args.max_rows)
     dt = time.time() - t0
     log.info("wrote %s: %d rows from %d in %.1f s (%.1f input rows/s)", out, stats["rows_out"],
              stats["rows_in"], dt, stats["rows_in"] / max(dt, 1e-9))

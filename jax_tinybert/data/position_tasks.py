@@ -116,9 +116,30 @@ def file_path(spec: PositionTask, split: str, data_dir: str) -> str:
     return path
 
 
+def _train_file(train_file: str) -> str:
+    if not os.path.isfile(train_file):
+        raise PathError(f"config.data.train_file={train_file!r}: no such file (relative to "
+                        f"{os.getcwd()}); pass a file written by jax_tinybert.data.augment")
+    return train_file
+
+
+def check_files(spec: PositionTask, data_dir: str, train_file: str = "") -> None:
+    """The train and dev files a run reads exist, else a one-line PathError and the fix."""
+    for split in spec.files:
+        if split == "train" and train_file:
+            _train_file(train_file)
+        else:
+            file_path(spec, split, data_dir)
+
+
 def read(spec: PositionTask, split: str, *, data_dir: str = "", source: str = "tsv",
-         ner_column: int = -1) -> List[Any]:
-    """The split's examples from data_dir's file (source "tsv": files) or HF `datasets` ("hf")."""
+         ner_column: int = -1, train_file: str = "") -> List[Any]:
+    """The split's examples from data_dir's file (source "tsv": files) or HF `datasets` ("hf");
+    train_file replaces the train split's file (e.g. data.augment's train_aug.json / .txt)."""
+    if split == "train" and train_file:
+        if spec.head == "span":
+            return squad.read_squad_file(_train_file(train_file), version=spec.version)
+        return conll.read_conll(_train_file(train_file), column=-1)
     if source == "hf":
         if spec.head == "span":
             return squad.read_hf_squad(spec.hf_name, split)
@@ -145,12 +166,13 @@ def _ragged(features: conll.NERFeatures, pad_id: int) -> TokenLabelled:
 def load(spec: PositionTask, split: str, tokenizer, *, data_dir: str = "", source: str = "tsv",
          max_len: int = 384, doc_stride: int = 128, max_query_len: int = 64,
          ner_column: int = -1, labels: Optional[Sequence[str]] = None, subset: int = 0,
-         subset_seed: int = 0) -> Split:
+         subset_seed: int = 0, train_file: str = "") -> Split:
     """One split read and encoded with a fast HF `tokenizer`. subset > 0: that many examples
     (questions / sentences) drawn with a seeded shuffle before encoding. labels (token tasks):
     the label order (default: the train file's, `conll.label_order`); train rows carry labels,
     dev rows of span tasks do not (the scorer reads the examples)."""
-    examples = read(spec, split, data_dir=data_dir, source=source, ner_column=ner_column)
+    examples = read(spec, split, data_dir=data_dir, source=source, ner_column=ner_column,
+                    train_file=train_file)
     idx = subset_indices(len(examples), subset, subset_seed)
     if idx is not None:
         examples = [examples[i] for i in idx]

@@ -17,7 +17,7 @@ from jax_tinybert import fs
 from jax_tinybert.errors import PathError, UserError
 from jax_tinybert.model import families, heads
 from jax_tinybert.model.modeling import (BertConfig, BertForSequenceClassification, init_classifier,
-                                   init_params)
+                                   init_params, random_params)
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,8 @@ def load_pretrained(path_or_name: str, *, for_classification: Optional[bool] = N
     raw, weights_path = _raw_weights(folder)
     if "params" in raw and len(raw) == 1:  # a msgpack saved with the linen wrapper
         raw = dict(raw["params"])
-    raw = heads.from_hf(raw, heads.from_architectures(config.extra.get("architectures")))
+    ckpt_head = heads.from_architectures(config.extra.get("architectures"))
+    raw = heads.from_hf(raw, ckpt_head)
     bert, found, mlm = _split_layout(families.rename(raw, families.from_hf, families.of(config)))
     name = heads.NAMES[head][0]
     if head == "span":
@@ -305,6 +306,12 @@ def load_pretrained(path_or_name: str, *, for_classification: Optional[bool] = N
     if head != "sequence":   # HF's span and token models have no pooler
         bert = {k: v for k, v in bert.items() if k != "pooler"}
         expected["bert"] = {k: v for k, v in expected["bert"].items() if k != "pooler"}
+    elif ckpt_head != "sequence" and "pooler" not in bert and "pooler" in expected["bert"]:
+        # a QA / NER checkpoint read as an encoder: a new pooler, as HF's BertModel does
+        log.warning("%s: a %s checkpoint has no pooler; initialising one (seed %d)",
+                    weights_path, ckpt_head, seed)
+        bert = dict(bert, pooler=jax.tree_util.tree_map(np.asarray, random_params(
+            BertForSequenceClassification(config), seed)["bert"]["pooler"]))
     bert = _check_against(expected["bert"], bert, weights_path, "encoder")
     if mlm_head:
         if mlm is None:

@@ -152,7 +152,7 @@ def _position_data(config, workdir: str, tokenizer_dir: str) -> Data:
               doc_stride=dc.doc_stride, max_query_len=dc.max_query_len,
               ner_column=dc.ner_column)
     train = position_tasks.load(spec, "train", tok, subset=dc.train_subset,
-                                subset_seed=config.train.seed, **kw)
+                                subset_seed=config.train.seed, train_file=dc.train_file, **kw)
     dev = position_tasks.load(spec, "dev", tok, labels=train.labels, subset=dc.eval_subset,
                               subset_seed=config.train.seed + 1, **kw)
     buckets, eval_buckets = choose_buckets(config, train.encoded.lengths, dev.encoded.lengths,
