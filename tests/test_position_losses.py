@@ -100,10 +100,14 @@ def test_token_kd_soft_term_over_real_tokens():
     np.testing.assert_allclose(float(loss), 0.3 * kd + 0.7 * float(ce), rtol=1e-5)
 
 
-def test_position_objectives_need_every_token_and_no_logits_cache():
-    """A span / token prediction stage computes the last layer's every row (no cls_only) and
-    runs the teacher in the step (the per-example logits cache holds [C] per example)."""
+def test_position_objectives_read_every_token_and_take_cached_logits():
+    """A span prediction stage computes the last layer's every row (no cls_only), and reads the
+    teacher's [B, 2, T] logits from the batch (teacher/positions.py) as it reads them from t_out."""
     seq = make_objective("tinybert_pred", {}, _cfg(2), _cfg(2))
     span = make_objective("tinybert_pred", {}, _cfg(2), _cfg(2), head="span")
-    assert seq.teacher_cacheable and not seq.reads_tokens
-    assert not span.teacher_cacheable and span.reads_tokens
+    assert not seq.reads_tokens and span.reads_tokens and span.teacher_cacheable
+    rng = np.random.default_rng(4)
+    s, t = _span_logits(rng), _span_logits(rng)
+    live, _ = span({}, _out(s), _out(t), {"attention_mask": MASK})
+    cached, _ = span({}, _out(s), None, {"attention_mask": MASK, "teacher_logits": t})
+    assert float(live) == pytest.approx(float(cached), rel=1e-7)

@@ -59,8 +59,17 @@ def test_squad_v2_every_stage(tmp_path, shared_dir):
                 f"--workdir={w['inter']}", "--config.teacher.cache_tokens=always", *teacher,
                 *FROM_TEACHER, *data])
     assert "teacher per-token cache: no (not cacheable)" in res.stderr
-    _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['pred']}", *teacher,
-          f"--config.student.path={w['inter'] / 'export'}", *data])
+    res = _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['pred']}",
+                *teacher, f"--config.student.path={w['inter'] / 'export'}", *data])
+    assert "the steps run no teacher" in res.stderr   # teacher/positions.py's logits
+    # ... the same losses as the teacher run in every step
+    _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={tmp_path / 'uncached'}",
+          *teacher, f"--config.student.path={w['inter'] / 'export'}", *data,
+          "--config.teacher.cache=False", "--config.export.enabled=False"])
+    cached, live = T.read_metrics(w["pred"]), T.read_metrics(tmp_path / "uncached")
+    assert sorted(cached) == sorted(live) == [1, 2, 3]
+    for step in cached:
+        assert cached[step][-1] == pytest.approx(live[step][-1], rel=1e-5), step
     _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['kd']}", *teacher,
           "--config.objective.name=kd", *FROM_TEACHER, *data])
     _run(["--config=configs/pkd.py:squad20", f"--workdir={w['pkd']}", *teacher,

@@ -82,10 +82,10 @@ class Objective:
     def __init__(self, cfg: Any, student_config, teacher_config=None, head: str = "sequence"):
         self.cfg = _resolve_cfg(self.name, self.defaults, cfg)
         # span / token: per-position logits, read as rows of classification logits (__call__);
-        # no per-example teacher cache, and the last layer's every row is computed.
-        self.head = head
+        # the last layer's every row is computed.
+        self.head = head   # span / token: their teacher cache is teacher/positions.py
         if head != "sequence":
-            self.teacher_cacheable, self.reads_tokens = False, True
+            self.reads_tokens = True
         self.mode = self.cfg["mode"]
         self.student_config = student_config
         self.teacher_config = teacher_config
@@ -225,6 +225,8 @@ class Objective:
                                                  batch.get("valid")), example_valid=batch.get("valid"))
         if "labels" in batch:
             b["labels"] = batch["labels"].reshape(-1)
+        if "teacher_logits" in batch:   # teacher/positions.py's, [B, 2, T] / [B, T, C]
+            b["teacher_logits"] = L.position_rows(batch["teacher_logits"], self.head)
         return rows(s_out), rows(t_out), b
 
     def __repr__(self) -> str:

@@ -32,7 +32,7 @@ from jax_tinybert import fs, optim
 from jax_tinybert.distill import objectives
 from jax_tinybert.parallel import sharding as shd
 from jax_tinybert.train import step as step_lib
-from jax_tinybert.teacher import cache as teacher_cache, store as teacher_store
+from jax_tinybert.teacher import cache as teacher_cache, positions, store as teacher_store
 from jax_tinybert.teacher import (fingerprint as teacher_fingerprint, stream as teacher_stream,
                                   training as teacher_training)
 from jax_tinybert.config.check import DTYPES, ConfigValueError, record_speed
@@ -453,6 +453,10 @@ def build_run(config, workdir: str) -> Run:
                                                     order=order, split=config.teacher.cache_split)
 
         def builder(beside: bool = False):
+            if data.head != "sequence":   # span / token logits: one pass, in memory
+                return positions.build(models.teacher, models.teacher_params, data.train_dataset,
+                                       data.train_batches.buckets, data.head,
+                                       config.train.eval_batch_size)
             # Several processes split one pass before the steps (a step may need any host's rows).
             if not (beside and config.teacher.cache_build == "beside") or (
                     jax.process_count() > 1 and config.teacher.cache_split != "never"):
@@ -463,6 +467,8 @@ def build_run(config, workdir: str) -> Run:
             return teacher_stream.StreamingCache(lambda live: make(live, order), token_dtype)
 
         def spec(batch):
+            if data.head != "sequence":
+                return positions.lookup_spec(data.head, models.teacher_config.num_labels, batch)
             return teacher_training.lookup_spec(models, obj, batch, token_dtype)
     else:
         builder = spec = None

@@ -1,0 +1,99 @@
+"""The teacher's per-position logits of a span or token task's train rows, computed once.
+
+The prediction, KD and PKD stages of SQuAD and CoNLL read only the teacher's logits, [2, T]
+(start / end) or [T, C] per row: computed here in one pass over the train rows before the
+steps, held in memory (ragged, each row at its own length: SQuAD's 88k official windows are
+~0.3 GB in float32) and added to each batch by `example_id`, so the steps run no teacher
+forward. Each process computes every row (a step may read any of them); nothing is written to
+disk, so a resumed run computes them again (a forward of the train set, ~1/3 of an epoch).
+
+    cache = positions.build(teacher, teacher_params, dataset, buckets, head)
+    batch.update(cache.lookup(batch["example_id"], seq_len=T))
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_tinybert.data import batching
+from jax_tinybert.model.heads import MASKED_LOGIT
+from jax_tinybert.progress import Progress
+
+log = logging.getLogger(__name__)
+MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+class PositionLogitsCache:
+    """Per-row teacher logits, ragged: `values` float32 [total_tokens, C'] (span: C' = 2, the
+    start and end logit of each token), row i at `offsets[i]:offsets[i + 1]`."""
+
+    token_fields: tuple = ()   # nothing for teacher_stream.TokenCacheDrop to delete
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray, head: str,
+                 build_stats: Optional[dict] = None):
+        self.values, self.offsets, self.head = values, offsets, head
+        self.build_stats = build_stats
+
+    def lookup(self, example_ids, seq_len: Optional[int] = None) -> Dict[str, np.ndarray]:
+        """{"teacher_logits": [b, 2, T] (span; positions past a row's end at MASKED_LOGIT) or
+        [b, T, C] (token)} for a batch's ids (filler rows, id -1: zeros / masked)."""
+        ids = np.asarray(example_ids, np.int64).reshape(-1)
+        lens = self.offsets[np.maximum(ids, 0) + 1] - self.offsets[np.maximum(ids, 0)]
+        T = int(seq_len if seq_len is not None else lens.max(initial=1))
+        fill = MASKED_LOGIT if self.head == "span" else 0.0
+        out = np.full((len(ids), T, self.values.shape[1]), fill, np.float32)
+        for r, i in enumerate(ids):
+            if i >= 0:
+                s, e = int(self.offsets[i]), int(self.offsets[i + 1])
+                out[r, :e - s] = self.values[s:e]
+        return {"teacher_logits": out.transpose(0, 2, 1) if self.head == "span" else out}
+
+    def close(self) -> None:
+        self.values = self.values[:0]
+
+
+def lookup_spec(head: str, num_labels: int, batch) -> Dict[str, jax.ShapeDtypeStruct]:
+    """What `lookup` adds to `batch`, as shapes (for compiling the step ahead)."""
+    b, T = np.shape(batch["input_ids"])
+    shape = (b, 2, T) if head == "span" else (b, T, num_labels)
+    return {"teacher_logits": jax.ShapeDtypeStruct(shape, jnp.float32)}
+
+
+def build(teacher, teacher_params, dataset, buckets: Sequence[int], head: str,
+          batch_size: int = 64) -> PositionLogitsCache:
+    """One forward of `teacher` over every row of `dataset` (an EncodedDataset), rows grouped
+    by their bucket of `buckets` (one program per bucket), `batch_size` rows a forward."""
+    t0 = time.time()
+    params = jax.device_put(teacher_params)
+    forward = jax.jit(lambda p, ids, mask, tt: teacher.apply(
+        {"params": p}, ids, mask, tt, deterministic=True, attention_logits=False).logits)
+    lengths = np.asarray(dataset.lengths)
+    per_bucket = np.asarray(sorted(buckets))[batching.assign_buckets(lengths, buckets)]
+    width = 2 if head == "span" else None
+    values: Optional[np.ndarray] = None
+    with Progress("teacher logits", total=len(lengths), unit="rows") as prog:
+        for T in sorted(set(per_bucket.tolist())):
+            rows = np.flatnonzero(per_bucket == T)
+            for s in range(0, len(rows), batch_size):
+                idx = rows[s:s + batch_size]
+                pad = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])
+                b = dataset.gather(pad, int(T))
+                lg = np.asarray(forward(params, *(b[k] for k in MODEL_KEYS)), np.float32)
+                lg = lg.transpose(0, 2, 1) if head == "span" else lg     # [b, T, C']
+                if values is None:
+                    width = lg.shape[-1]
+                    values = np.zeros((int(dataset.offsets[-1]), width), np.float32)
+                for r, i in enumerate(idx):
+                    o = int(dataset.offsets[i])
+                    values[o:o + lengths[i]] = lg[r, :lengths[i]]
+                prog.update(len(idx))
+    stats = {"rows": int(len(lengths)), "wall_s": round(time.time() - t0, 2)}
+    log.info("teacher logits of %d train rows in %.1f s (%d programs): the steps run no "
+             "teacher", len(lengths), stats["wall_s"], len(set(per_bucket.tolist())))
+    return PositionLogitsCache(values if values is not None else np.zeros((0, width or 1)),
+                               np.asarray(dataset.offsets, np.int64), head, stats)

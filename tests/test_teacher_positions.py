@@ -1,0 +1,43 @@
+"""teacher/positions.py: the per-position logits of every train row computed once in buckets,
+looked up by example_id at a batch's length, equal to the teacher's forward on that batch."""
+import numpy as np
+import pytest
+
+from jax_tinybert.data.tokenize import EncodedDataset
+from jax_tinybert.model import heads
+from jax_tinybert.model.modeling import BertConfig, random_params
+from jax_tinybert.teacher import positions
+
+
+def _dataset(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(5, 100, size=int(offsets[-1])).astype(np.int32)
+    types = (rng.random(int(offsets[-1])) < 0.3).astype(np.int8)
+    return EncodedDataset(ids, types, offsets, None, 0)
+
+
+@pytest.mark.parametrize("head", ["span", "token"])
+def test_lookup_equals_the_forward_of_the_batch(head):
+    cfg = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32,
+                     num_labels=2 if head == "span" else 5)
+    model = heads.MODELS[head](cfg)
+    params = random_params(model, 0)
+    ds = _dataset([3, 9, 16, 5, 12, 7, 2])
+    cache = positions.build(model, params, ds, (8, 16), head, batch_size=4)
+    ids = np.array([4, 0, -1, 2])
+    got = cache.lookup(ids, seq_len=16)["teacher_logits"]
+    batch = ds.gather(np.maximum(ids, 0), 16)
+    ref = np.asarray(model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
+                                 batch["token_type_ids"]).logits)
+    spec = positions.lookup_spec(head, cfg.num_labels, batch)["teacher_logits"]
+    assert got.shape == ref.shape == spec.shape
+    for r, i in enumerate(ids):
+        n = int(ds.lengths[i]) if i >= 0 else 0
+        if head == "span":
+            np.testing.assert_allclose(got[r, :, :n], ref[r, :, :n], atol=1e-5)
+            assert np.all(got[r, :, n:] == heads.MASKED_LOGIT)
+        else:
+            np.testing.assert_allclose(got[r, :n], ref[r, :n], atol=1e-5)
+            assert np.all(got[r, n:] == 0.0)
