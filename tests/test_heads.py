@@ -15,6 +15,9 @@ from tests.test_families import SMALL, FAMILIES, _batch
 STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta",
          "distilbert": "DistilBert", "electra": "Electra"}
 SUFFIX = {"span": "ForQuestionAnswering", "token": "ForTokenClassification"}
+# The HF Flax classes read back (each costs a Flax init): BERT's two, one head of each other family.
+FLAX_CHECKED = {("bert", "span"), ("bert", "token"), ("roberta", "span"), ("distilbert", "token"),
+                ("electra", "span"), ("xlm-roberta", "token")}
 
 
 def _torch_model(family, head, seed=0):
@@ -60,8 +63,8 @@ def _real(head, logits, mask):
 @pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta", "distilbert", "electra"])
 def test_head_matches_pytorch_and_exports(family, head, tmp_path):
     """Loaded from the family's PyTorch class: logits within 1e-4 on real tokens, padding at
-    MASKED_LOGIT (span); exported: the family's own PyTorch and Flax classes give our logits
-    within 1e-5, with architectures and (token) id2label written."""
+    MASKED_LOGIT (span); exported: the family's own PyTorch class (and Flax class, FLAX_CHECKED)
+    gives our logits within 1e-5, with architectures and (token) id2label written."""
     model = _torch_model(family, head)
     model.save_pretrained(tmp_path / "m")
     config, params = load_pretrained(str(tmp_path / "m"), for_classification=True, head=head)
@@ -85,6 +88,12 @@ def test_head_matches_pytorch_and_exports(family, head, tmp_path):
         assert back.config.id2label == id2label
     np.testing.assert_allclose(_real(head, _torch_logits(back, head, ids, mask), mask),
                                _real(head, ours, mask), atol=1e-5)
+    # ... our loader reads the export back to the same head
+    config2, params2 = load_pretrained(out, head=head)
+    assert name in params2
+    np.testing.assert_allclose(_ours(config2, params2, head, ids, mask), ours, atol=1e-6)
+    if (family, head) not in FLAX_CHECKED:
+        return
     flax_model = getattr(transformers, "Flax" + cls).from_pretrained(out)
     # Token types given: HF's FlaxElectra defaults them to ones (its PyTorch class to zeros).
     types = {} if family == "distilbert" else {"token_type_ids": np.zeros_like(ids)}
@@ -92,10 +101,6 @@ def test_head_matches_pytorch_and_exports(family, head, tmp_path):
     flax_logits = (np.stack([np.asarray(fo.start_logits), np.asarray(fo.end_logits)], 1)
                    if head == "span" else np.asarray(fo.logits))
     np.testing.assert_allclose(_real(head, flax_logits, mask), _real(head, ours, mask), atol=1e-5)
-    # ... and our loader reads the export back to the same head
-    config2, params2 = load_pretrained(out, head=head)
-    assert name in params2
-    np.testing.assert_allclose(_ours(config2, params2, head, ids, mask), ours, atol=1e-6)
 
 
 def test_a_new_head_for_a_bare_encoder(tmp_path):
