@@ -136,6 +136,15 @@ def test_conll_teacher_and_prediction_stage(tmp_path, shared_dir):
     assert _architecture(export) == "BertForTokenClassification"
     with open(export / "config.json") as fh:
         assert json.load(fh)["id2label"]["1"] == "B-PER"
+    # the export command rebuilds the same folder from the run's best checkpoint
+    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.cli.export", "--workdir",
+                          str(tmp_path / "pred"), "--out", str(tmp_path / "again")], cwd=REPO,
+                         env=T.env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == \
+        json.loads((export / "config.json").read_text())
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == \
+        (export / "model.safetensors").read_bytes()
     f1 = _summary(tmp_path / "pred")["best"]["f1"]
     assert _rescored_conll(export, shared_dir / "data" / "conll2003" / "dev.txt") == \
         pytest.approx(f1, abs=1e-6)

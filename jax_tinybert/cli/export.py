@@ -22,10 +22,10 @@ from jax_tinybert.train import build
 from jax_tinybert.config import schema as config_base
 from jax_tinybert import fs
 from jax_tinybert.train.checkpoints import Checkpointer
-from jax_tinybert.data import glue
+from jax_tinybert.data import conll, glue, position_tasks
 from jax_tinybert.errors import PathError, tool_exit
 from jax_tinybert.model.export import export_hf, student_tree
-from jax_tinybert.model import families
+from jax_tinybert.model import families, heads
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +72,23 @@ def _abstract_from_checkpoint(step_dir: str):
         is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
 
 
-def _student_config(workdir: str, num_labels: int) -> tuple:
+def _student_config(workdir: str, num_labels: int, head: str = "sequence") -> tuple:
     """(BertConfig, id2label, tokenizer_dir, encoder_only) of the run's student, rebuilt from
     the run's config.json the way the trainer built it."""
     config = read_run_config(workdir)
     id2label = None
-    if config.data.kind == "glue":
+    position = position_tasks.get(config.data.task) if config.data.kind == "glue" else None
+    if head == "token" and position:   # the train file's labels, in the run's order
+        dc = config.data
+        labels = conll.label_order(position_tasks.read(
+            position, "train", data_dir=dc.data_dir, source=dc.source, ner_column=dc.ner_column,
+            train_file=dc.train_file))
+        id2label = dict(enumerate(labels)) if len(labels) == num_labels else None
+    elif config.data.kind == "glue" and not position:
         spec = glue.get_task(config.data.task)
         if spec.labels is not None and len(spec.labels) == num_labels:
             id2label = dict(enumerate(spec.labels))
-    models = build.build_models(config, num_labels, id2label)
+    models = build.build_models(config, num_labels, id2label, head)
     return (models.student_config, id2label, models.tokenizer_dir,
             config.data.kind == "corpus")
 
@@ -124,8 +131,11 @@ def export_from_workdir(workdir: str, out: str, which: str = "best") -> str:
     step, state, _ = got
     params = state["params"] if isinstance(state, dict) else state.params
     student = student_tree(params)
-    num_labels = families.head_labels(student["classifier"]) if "classifier" in student else 2
-    config, id2label, tokenizer_dir, encoder_only = _student_config(workdir, num_labels)
+    head = heads.head_of(student) or "sequence"
+    num_labels = (families.head_labels(student["classifier"]) if head == "sequence" and
+                  "classifier" in student else 2 if head != "token" else
+                  int(student["token_classifier"]["kernel"].shape[-1]))
+    config, id2label, tokenizer_dir, encoder_only = _student_config(workdir, num_labels, head)
     if encoder_only:  # general distillation: the head was never trained (as train.py exports)
         student = student["bert"]
     log.info("exporting step %d of %s to %s", step, workdir, out)
