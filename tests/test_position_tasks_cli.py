@@ -71,8 +71,10 @@ def test_squad_v2_every_stage(tmp_path, shared_dir):
     assert sorted(cached) == sorted(live) == [1, 2, 3]
     for step in cached:
         assert cached[step][-1] == pytest.approx(live[step][-1], rel=1e-5), step
+    # two student layers: the patience term reads the teacher's [CLS] of layer 1 (cached too)
     _run(["--config=configs/pkd.py:squad20", f"--workdir={w['pkd']}", *teacher,
-          "--config.student.teacher_layers=(1,)", *data])
+          "--config.student.teacher_layers=(1,2)", *data])
+    assert "pt" in _summary(w["pkd"])["last_train"], _summary(w["pkd"])["last_train"]
     for k, d in w.items():
         assert _architecture(d / "export") == "BertForQuestionAnswering", k
         if k != "inter":

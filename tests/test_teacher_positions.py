@@ -25,14 +25,21 @@ def test_lookup_equals_the_forward_of_the_batch(head):
     model = heads.MODELS[head](cfg)
     params = random_params(model, 0)
     ds = _dataset([3, 9, 16, 5, 12, 7, 2])
-    cache = positions.build(model, params, ds, (8, 16), head, batch_size=4)
+    cache = positions.build(model, params, ds, (8, 16), head, batch_size=4, cls_layers=(1,))
     ids = np.array([4, 0, -1, 2])
-    got = cache.lookup(ids, seq_len=16)["teacher_logits"]
+    looked = cache.lookup(ids, seq_len=16)
+    got = looked["teacher_logits"]
     batch = ds.gather(np.maximum(ids, 0), 16)
-    ref = np.asarray(model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
-                                 batch["token_type_ids"]).logits)
-    spec = positions.lookup_spec(head, cfg.num_labels, batch)["teacher_logits"]
-    assert got.shape == ref.shape == spec.shape
+    out = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
+                      batch["token_type_ids"])
+    ref = np.asarray(out.logits)
+    spec = positions.lookup_spec(head, cfg.num_labels, batch, (1,), cfg.hidden_size)
+    assert got.shape == ref.shape == spec["teacher_logits"].shape
+    # PKD's [CLS] vectors of the asked layers, zeros for filler rows
+    cls = np.asarray(out.hidden_states[1])[:, 0]
+    assert looked["teacher_cls"].shape == spec["teacher_cls"].shape == (4, 1, 16)
+    np.testing.assert_allclose(looked["teacher_cls"][[0, 1, 3], 0], cls[[0, 1, 3]], atol=1e-5)
+    assert np.all(looked["teacher_cls"][2] == 0)
     for r, i in enumerate(ids):
         n = int(ds.lengths[i]) if i >= 0 else 0
         if head == "span":

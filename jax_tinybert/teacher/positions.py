@@ -35,9 +35,10 @@ class PositionLogitsCache:
     token_fields: tuple = ()   # nothing for teacher_stream.TokenCacheDrop to delete
 
     def __init__(self, values: np.ndarray, offsets: np.ndarray, head: str,
-                 build_stats: Optional[dict] = None):
+                 build_stats: Optional[dict] = None, cls: Optional[np.ndarray] = None):
         self.values, self.offsets, self.head = values, offsets, head
         self.build_stats = build_stats
+        self.cls = cls   # float32 [n, K, D_t]: PKD's [CLS] vectors of its teacher layers, or None
 
     def lookup(self, example_ids, seq_len: Optional[int] = None) -> Dict[str, np.ndarray]:
         """{"teacher_logits": [b, 2, T] (span; positions past a row's end at MASKED_LOGIT) or
@@ -51,27 +52,45 @@ class PositionLogitsCache:
             if i >= 0:
                 s, e = int(self.offsets[i]), int(self.offsets[i + 1])
                 out[r, :e - s] = self.values[s:e]
-        return {"teacher_logits": out.transpose(0, 2, 1) if self.head == "span" else out}
+        got = {"teacher_logits": out.transpose(0, 2, 1) if self.head == "span" else out}
+        if self.cls is not None:
+            got["teacher_cls"] = np.where((ids >= 0)[:, None, None],
+                                          self.cls[np.maximum(ids, 0)], 0.0).astype(np.float32)
+        return got
 
     def close(self) -> None:
         self.values = self.values[:0]
 
 
-def lookup_spec(head: str, num_labels: int, batch) -> Dict[str, jax.ShapeDtypeStruct]:
-    """What `lookup` adds to `batch`, as shapes (for compiling the step ahead)."""
+def lookup_spec(head: str, num_labels: int, batch, cls_layers: Sequence[int] = (),
+                width: int = 0) -> Dict[str, jax.ShapeDtypeStruct]:
+    """What `lookup` adds to `batch`, as shapes (for compiling the step ahead); cls_layers and
+    width (the teacher's hidden size): PKD's [CLS] vectors."""
     b, T = np.shape(batch["input_ids"])
     shape = (b, 2, T) if head == "span" else (b, T, num_labels)
-    return {"teacher_logits": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    out = {"teacher_logits": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    if cls_layers:
+        out["teacher_cls"] = jax.ShapeDtypeStruct((b, len(cls_layers), width), jnp.float32)
+    return out
 
 
 def build(teacher, teacher_params, dataset, buckets: Sequence[int], head: str,
-          batch_size: int = 64) -> PositionLogitsCache:
+          batch_size: int = 64, cls_layers: Sequence[int] = ()) -> PositionLogitsCache:
     """One forward of `teacher` over every row of `dataset` (an EncodedDataset), rows grouped
-    by their bucket of `buckets` (one program per bucket), `batch_size` rows a forward."""
+    by their bucket of `buckets` (one program per bucket), `batch_size` rows a forward;
+    cls_layers: the teacher layers (hidden-state indices) whose [CLS] vectors PKD reads."""
     t0 = time.time()
     params = jax.device_put(teacher_params)
-    forward = jax.jit(lambda p, ids, mask, tt: teacher.apply(
-        {"params": p}, ids, mask, tt, deterministic=True, attention_logits=False).logits)
+    layers = tuple(cls_layers)
+
+    def run(p, ids, mask, tt):
+        out = teacher.apply({"params": p}, ids, mask, tt, deterministic=True,
+                            attention_logits=False)
+        cls = jnp.stack([out.hidden_states[t][:, 0] for t in layers], 1) if layers else None
+        return out.logits, cls
+
+    forward = jax.jit(run)
+    cls_rows = None
     lengths = np.asarray(dataset.lengths)
     per_bucket = np.asarray(sorted(buckets))[batching.assign_buckets(lengths, buckets)]
     width = 2 if head == "span" else None
@@ -83,8 +102,14 @@ def build(teacher, teacher_params, dataset, buckets: Sequence[int], head: str,
                 idx = rows[s:s + batch_size]
                 pad = np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])
                 b = dataset.gather(pad, int(T))
-                lg = np.asarray(forward(params, *(b[k] for k in MODEL_KEYS)), np.float32)
+                lg, cls = forward(params, *(b[k] for k in MODEL_KEYS))
+                lg = np.asarray(lg, np.float32)
                 lg = lg.transpose(0, 2, 1) if head == "span" else lg     # [b, T, C']
+                if layers:
+                    cls = np.asarray(cls, np.float32)
+                    if cls_rows is None:
+                        cls_rows = np.zeros((len(lengths),) + cls.shape[1:], np.float32)
+                    cls_rows[idx] = cls[:len(idx)]
                 if values is None:
                     width = lg.shape[-1]
                     values = np.zeros((int(dataset.offsets[-1]), width), np.float32)
@@ -96,4 +121,4 @@ def build(teacher, teacher_params, dataset, buckets: Sequence[int], head: str,
     log.info("teacher logits of %d train rows in %.1f s (%d programs): the steps run no "
              "teacher", len(lengths), stats["wall_s"], len(set(per_bucket.tolist())))
     return PositionLogitsCache(values if values is not None else np.zeros((0, width or 1)),
-                               np.asarray(dataset.offsets, np.int64), head, stats)
+                               np.asarray(dataset.offsets, np.int64), head, stats, cls_rows)

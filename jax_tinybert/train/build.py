@@ -456,7 +456,7 @@ def build_run(config, workdir: str) -> Run:
             if data.head != "sequence":   # span / token logits: one pass, in memory
                 return positions.build(models.teacher, models.teacher_params, data.train_dataset,
                                        data.train_batches.buckets, data.head,
-                                       config.train.eval_batch_size)
+                                       config.train.eval_batch_size, obj.teacher_cls_layers)
             # Several processes split one pass before the steps (a step may need any host's rows).
             if not (beside and config.teacher.cache_build == "beside") or (
                     jax.process_count() > 1 and config.teacher.cache_split != "never"):
@@ -468,7 +468,9 @@ def build_run(config, workdir: str) -> Run:
 
         def spec(batch):
             if data.head != "sequence":
-                return positions.lookup_spec(data.head, models.teacher_config.num_labels, batch)
+                return positions.lookup_spec(data.head, models.teacher_config.num_labels, batch,
+                                             obj.teacher_cls_layers,
+                                             models.teacher_config.hidden_size)
             return teacher_training.lookup_spec(models, obj, batch, token_dtype)
     else:
         builder = spec = None
