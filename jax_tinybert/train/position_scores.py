@@ -10,6 +10,7 @@ import numpy as np
 
 from jax_tinybert.data import conll
 from jax_tinybert.data.position_tasks import Split
+from jax_tinybert.model.heads import MASKED_LOGIT
 from jax_tinybert.train import ner_metrics, qa_metrics
 
 
@@ -18,7 +19,7 @@ def place_rows(logits_list, ids_list, n_rows: int, max_len: int, head: str) -> n
     one array by row id: [n_rows, 2, max_len] / [n_rows, max_len, C], padded past each bucket."""
     first = np.asarray(logits_list[0])
     shape = ((n_rows, 2, max_len) if head == "span" else (n_rows, max_len, first.shape[-1]))
-    out = np.full(shape, -1e9 if head == "span" else 0.0, np.float32)
+    out = np.full(shape, MASKED_LOGIT if head == "span" else 0.0, np.float32)
     seen = np.zeros(n_rows, bool)
     for lg, ids in zip(logits_list, ids_list):
         lg, ids = np.asarray(lg), np.asarray(ids).reshape(-1)
