@@ -79,9 +79,12 @@ def test_glue_cpu_budget_takes_the_position_tasks(tmp_path):
 
 
 def test_torch_finetune_reference_runs_both_sides(tmp_path):
-    """benchmarks/torch_finetune.py: ours and the PyTorch fine-tune of the packaged MiniLM on
-    32 CoNLL sentences, one row each with an entity F1."""
+    """benchmarks/torch_finetune.py: ours and the PyTorch fine-tune of one HF folder (a tiny
+    random BERT: the wiring is checked, not the packaged MiniLM's F1) on 32 CoNLL sentences, one
+    row each with an entity F1."""
+    model = tiny_run.tiny_teacher(tmp_path / "tiny")
     stdout = _run([str(REPO / "benchmarks" / "torch_finetune.py"), "--task", "conll2003",
+                   "--model", model,
                    "--seeds", "0", "--epochs", "1", "--train_subset", "32", "--eval_subset", "8",
                    "--max_len", "32", "--workdir", str(tmp_path / "wd")], tmp_path, timeout=600)
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"task"')]

@@ -3,17 +3,14 @@ trained here) and an ELECTRA-family teacher (narrower embeddings; the packaged W
 tokenizer), random weights of small configs: fine-tuning, general distillation, TinyBERT's two
 task stages, KD and PKD (XLM-R's SentencePiece path: tests/test_tokenizers_families.py),
 each exported to the family's own HF classes; the last export re-scored by transformers'
-PyTorch class on text its exported tokenizer encodes."""
+PyTorch class on text its exported tokenizer encodes. A family's stages run in one process
+(helpers/cli_stages.py)."""
 import json
-import pathlib
-import subprocess
 
 import numpy as np
 import pytest
 
-from helpers import tiny_run as T
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from helpers import cli_stages
 STUDENT = ["--config.student.init=random", "--config.student.num_hidden_layers=1",
            "--config.student.hidden_size=16", "--config.student.intermediate_size=32",
            "--config.student.num_attention_heads=4"]
@@ -35,13 +32,6 @@ def _teacher(family, out, tokenizer_dir, vocab):
                      **{"max_position_embeddings": 64, **extra})
     export_hf(cfg, random_params(BertModel(cfg), 0), str(out), tokenizer_dir=tokenizer_dir)
     return str(out)
-
-
-def _run(args, tmp_path):
-    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.main", *args], cwd=REPO,
-                         env=T.env(), capture_output=True, text=True, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res
 
 
 @pytest.mark.parametrize("family", ["roberta", "electra"])
@@ -78,9 +68,8 @@ def test_every_stage_with_a_teacher_of_another_family(family, tmp_path, bpe_toke
         "pkd": ["--config=configs/pkd.py:sst2", f"--config.teacher.path={ft}", *SYNTH, *STUDENT,
                 "--config.student.num_hidden_layers=2", "--config.objective.projection=shared"],
     }
-    ran = list(stages)
-    for s in ran:
-        _run([*stages[s], f"--workdir={wd[s]}", cache, *SHORT], tmp_path)
+    cli_stages.run([[*stages[s], f"--workdir={wd[s]}", cache, *SHORT] for s in stages])
+    for s in stages:
         cfg = json.loads((wd[s] / "export" / "config.json").read_text())
         assert cfg["model_type"] == family, (s, cfg)
         if s != "general":    # general distillation exports the encoder alone

@@ -2,7 +2,8 @@
 fine-tuning, TinyBERT's two task stages and PKD (SQuAD v2.0), the teacher, KD and the
 prediction stage on augmented data (CoNLL), each exported as an HF *ForQuestionAnswering / *ForTokenClassification;
 the last exports re-scored by transformers' PyTorch classes (NER: its own tokenizer and seqeval,
-independently of the package), and the bad inputs a user makes."""
+independently of the package), and the bad inputs a user makes (their own processes: the exit
+status). A task's stages run in one process (helpers/cli_stages.py)."""
 import json
 import pathlib
 import shutil
@@ -11,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from helpers import tiny_run as T
+from helpers import cli_stages, tiny_run as T
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHORT = ["--config.train.num_steps=3", "--config.train.batch_size=8",
@@ -51,29 +52,31 @@ def test_squad_v2_every_stage(tmp_path, shared_dir):
             f"--config.data.cache_dir={tmp_path / 'cache'}", *SQUAD, *SHORT]
     base = T.tiny_teacher(tmp_path / "base")
     w = {k: tmp_path / k for k in ("teacher", "inter", "pred", "pkd")}
-    _run(["--config=configs/finetune_teacher.py:squad20", f"--workdir={w['teacher']}",
-          f"--config.teacher.path={base}", *data])
     teacher = [f"--config.teacher.path={w['teacher'] / 'export'}"]
-    # cache_tokens=always: a span task's teacher runs in the step (its per-token cache would
-    # store per-example logits of one shape beside the features), the run goes on
-    res = _run(["--config=configs/task_distill.py:squad20_intermediate",
-                f"--workdir={w['inter']}", "--config.teacher.cache_tokens=always", *teacher,
-                *FROM_TEACHER, *data])
-    assert "teacher per-token cache: no (not cacheable)" in res.stderr
-    res = _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['pred']}",
-                *teacher, f"--config.student.path={w['inter'] / 'export'}", *data])
-    assert "the steps run no teacher" in res.stderr   # teacher/positions.py's logits
-    # ... the same losses as the teacher run in every step
-    _run(["--config=configs/task_distill.py:squad20_pred", f"--workdir={tmp_path / 'uncached'}",
-          *teacher, f"--config.student.path={w['inter'] / 'export'}", *data,
-          "--config.teacher.cache=False", "--config.export.enabled=False"])
+    student = [f"--config.student.path={w['inter'] / 'export'}"]
+    out = cli_stages.run([
+        ["--config=configs/finetune_teacher.py:squad20", f"--workdir={w['teacher']}",
+         f"--config.teacher.path={base}", *data],
+        # cache_tokens=always: a span task's teacher runs in the step (its per-token cache
+        # would store per-example logits of one shape beside the features), the run goes on
+        ["--config=configs/task_distill.py:squad20_intermediate", f"--workdir={w['inter']}",
+         "--config.teacher.cache_tokens=always", *teacher, *FROM_TEACHER, *data],
+        ["--config=configs/task_distill.py:squad20_pred", f"--workdir={w['pred']}", *teacher,
+         *student, *data],
+        # ... the same losses as the teacher run in every step
+        ["--config=configs/task_distill.py:squad20_pred", f"--workdir={tmp_path / 'uncached'}",
+         *teacher, *student, *data, "--config.teacher.cache=False",
+         "--config.export.enabled=False"],
+        # two student layers: the patience term reads the teacher's [CLS] of layer 1 (cached)
+        ["--config=configs/pkd.py:squad20", f"--workdir={w['pkd']}", *teacher,
+         "--config.student.teacher_layers=(1,2)", *data],
+    ]).outputs
+    assert "teacher per-token cache: no (not cacheable)" in out[1]
+    assert "the steps run no teacher" in out[2]   # teacher/positions.py's logits
     cached, live = T.read_metrics(w["pred"]), T.read_metrics(tmp_path / "uncached")
     assert sorted(cached) == sorted(live) == [1, 2, 3]
     for step in cached:
         assert cached[step][-1] == pytest.approx(live[step][-1], rel=1e-5), step
-    # two student layers: the patience term reads the teacher's [CLS] of layer 1 (cached too)
-    _run(["--config=configs/pkd.py:squad20", f"--workdir={w['pkd']}", *teacher,
-          "--config.student.teacher_layers=(1,2)", *data])
     assert "pt" in _summary(w["pkd"])["last_train"], _summary(w["pkd"])["last_train"]
     for k, d in w.items():
         assert _architecture(d / "export") == "BertForQuestionAnswering", k
@@ -115,34 +118,32 @@ def test_conll_teacher_and_prediction_stage(tmp_path, shared_dir):
     data = [f"--config.data.data_dir={shared_dir / 'data' / 'conll2003'}",
             f"--config.data.cache_dir={tmp_path / 'cache'}", *CONLL, *SHORT]
     base = T.tiny_teacher(tmp_path / "base")
-    _run(["--config=configs/finetune_teacher.py:conll2003", f"--workdir={tmp_path / 'teacher'}",
-          f"--config.teacher.path={base}", "--config.optim.learning_rate=1e-3", *data])
     # TinyBERT's augmentation of the words tagged O (the teacher's embedding neighbours) on a
     # slice of the train file, read by the prediction stage as its train_file
     lines = (shared_dir / "data" / "conll2003" / "train.txt").read_text().splitlines()[:400]
     (tmp_path / "slice.txt").write_text("\n".join(lines) + "\n")
-    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.data.augment", "--task", "conll2003",
-                          "--train_file", str(tmp_path / "slice.txt"), "--mode", "embedding",
-                          "--encoder", str(tmp_path / "teacher" / "export"), "--N", "2",
-                          "--out", str(tmp_path / "aug")], cwd=REPO, env=T.env(),
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    _run(["--config=configs/task_distill.py:conll2003_pred", f"--workdir={tmp_path / 'pred'}",
-          f"--config.teacher.path={tmp_path / 'teacher' / 'export'}", *FROM_TEACHER, *data,
-          f"--config.data.train_file={tmp_path / 'aug' / 'train_aug.txt'}"])
-    _run(["--config=configs/task_distill.py:conll2003_pred", f"--workdir={tmp_path / 'kd'}",
-          f"--config.teacher.path={tmp_path / 'teacher' / 'export'}", *FROM_TEACHER, *data,
-          "--config.objective.name=kd", "--config.export.enabled=False"])
-    assert 0.0 <= _summary(tmp_path / "kd")["best"]["f1"] <= 1.0
+    teacher = tmp_path / "teacher" / "export"
     export = tmp_path / "pred" / "export"
+    cli_stages.run([
+        ["--config=configs/finetune_teacher.py:conll2003", f"--workdir={tmp_path / 'teacher'}",
+         f"--config.teacher.path={base}", "--config.optim.learning_rate=1e-3", *data],
+        ["-m", "jax_tinybert.data.augment", "--task", "conll2003", "--train_file",
+         tmp_path / "slice.txt", "--mode", "embedding", "--encoder", teacher, "--N", "2",
+         "--out", tmp_path / "aug"],
+        ["--config=configs/task_distill.py:conll2003_pred", f"--workdir={tmp_path / 'pred'}",
+         f"--config.teacher.path={teacher}", *FROM_TEACHER, *data,
+         f"--config.data.train_file={tmp_path / 'aug' / 'train_aug.txt'}"],
+        ["--config=configs/task_distill.py:conll2003_pred", f"--workdir={tmp_path / 'kd'}",
+         f"--config.teacher.path={teacher}", *FROM_TEACHER, *data,
+         "--config.objective.name=kd", "--config.export.enabled=False"],
+        # the export command rebuilds the same folder from the run's best checkpoint
+        ["-m", "jax_tinybert.cli.export", "--workdir", tmp_path / "pred", "--out",
+         tmp_path / "again"],
+    ])
+    assert 0.0 <= _summary(tmp_path / "kd")["best"]["f1"] <= 1.0
     assert _architecture(export) == "BertForTokenClassification"
     with open(export / "config.json") as fh:
         assert json.load(fh)["id2label"]["1"] == "B-PER"
-    # the export command rebuilds the same folder from the run's best checkpoint
-    res = subprocess.run([T.PYTHON, "-m", "jax_tinybert.cli.export", "--workdir",
-                          str(tmp_path / "pred"), "--out", str(tmp_path / "again")], cwd=REPO,
-                         env=T.env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((tmp_path / "again" / "config.json").read_text()) == \
         json.loads((export / "config.json").read_text())
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == \
