@@ -1,18 +1,17 @@
 """SQuAD and CoNLL-2003 through the command line on small slices of ../shared/data: teacher
 fine-tuning, TinyBERT's two task stages and PKD (SQuAD v2.0), the teacher, KD and the
 prediction stage on augmented data (CoNLL), each exported as an HF *ForQuestionAnswering / *ForTokenClassification;
-the last exports re-scored by transformers' PyTorch classes (NER: its own tokenizer and seqeval,
-independently of the package), and the bad inputs a user makes (their own processes: the exit
+the last exports re-scored by transformers' PyTorch classes apart from the package's data and
+metric code (helpers/torch_rescore.py: run_qa's windows and n-best; seqeval), and the bad inputs a user makes (their own processes: the exit
 status). A task's stages run in one process (helpers/cli_stages.py)."""
 import json
 import pathlib
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 
-from helpers import cli_stages, tiny_run as T
+from helpers import cli_stages, tiny_run as T, torch_rescore as R
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHORT = ["--config.train.num_steps=3", "--config.train.batch_size=8",
@@ -84,31 +83,9 @@ def test_squad_v2_every_stage(tmp_path, shared_dir):
             best = _summary(d)["best"]
             assert {"exact", "f1", "best_f1", "HasAns_f1", "NoAns_f1"} <= set(best), best
             assert 0.0 <= best["main"] <= 100.0
-    assert _rescored_squad(w["pred"] / "export", shared_dir) == pytest.approx(
-        _summary(w["pred"])["best"]["best_f1"], abs=1e-3)
-
-
-def _rescored_squad(export, shared_dir):
-    """best_f1 of the export's PyTorch logits over the dev windows (the run's windowing)."""
-    import torch
-    import transformers
-
-    from jax_tinybert.data import position_tasks
-    from jax_tinybert.train import position_scores
-
-    tok = transformers.AutoTokenizer.from_pretrained(export)
-    model = transformers.BertForQuestionAnswering.from_pretrained(export).eval()
-    spec = position_tasks.get("squad20")
-    dev = position_tasks.load(spec, "dev", tok, data_dir=str(shared_dir / "data/squad/v2.0"),
-                              max_len=64, doc_stride=16, max_query_len=16, subset=12,
-                              subset_seed=1)
-    enc = dev.encoded
-    rows = enc.gather(np.arange(len(enc)), 64)
-    with torch.no_grad():
-        out = model(**{k: torch.from_numpy(rows[k]).long()
-                       for k in ("input_ids", "attention_mask", "token_type_ids")})
-    logits = np.stack([out.start_logits.numpy(), out.end_logits.numpy()], 1)
-    return position_scores.score(dev, "span", "2.0", logits)["best_f1"]
+    rescored = R.squad(w["pred"] / "export", shared_dir / "data" / "squad" / "v2.0", "squad20",
+                       max_len=64, doc_stride=16, max_query_len=16, subset=12)
+    assert rescored["best_f1"] == pytest.approx(_summary(w["pred"])["best"]["best_f1"], abs=1e-3)
 
 
 def test_conll_teacher_and_prediction_stage(tmp_path, shared_dir):
@@ -149,49 +126,8 @@ def test_conll_teacher_and_prediction_stage(tmp_path, shared_dir):
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == \
         (export / "model.safetensors").read_bytes()
     f1 = _summary(tmp_path / "pred")["best"]["f1"]
-    assert _rescored_conll(export, shared_dir / "data" / "conll2003" / "dev.txt") == \
-        pytest.approx(f1, abs=1e-6)
-
-
-def _rescored_conll(export, dev_file):
-    """seqeval's F1 of the export's predictions at each word's first piece (transformers'
-    tokenizer and model; the dev file read here; 40 sentences drawn as the run draws them)."""
-    import torch
-    import transformers
-    from seqeval.metrics import f1_score
-
-    from jax_tinybert.data.tokenize import subset_indices
-
-    sents, cur = [], []
-    for line in open(dev_file, encoding="utf-8"):
-        parts = line.split()
-        if not parts or parts[0] == "-DOCSTART-":
-            if cur:
-                sents.append(cur)
-            cur = []
-            continue
-        cur.append((parts[0], parts[-1]))
-    if cur:
-        sents.append(cur)
-    idx = subset_indices(len(sents), 40, 1)
-    sents = [sents[i] for i in idx]
-    tok = transformers.AutoTokenizer.from_pretrained(export)
-    model = transformers.BertForTokenClassification.from_pretrained(export).eval()
-    id2label = model.config.id2label
-    gold, pred = [], []
-    for s in sents:
-        enc = tok([w for w, _ in s], is_split_into_words=True, truncation=True, max_length=48,
-                  return_tensors="pt")
-        with torch.no_grad():
-            best = model(**enc).logits[0].argmax(-1).numpy()
-        tags, prev = ["O"] * len(s), None
-        for t, w in enumerate(enc.word_ids()):
-            if w is not None and w != prev:
-                tags[w] = id2label[int(best[t])]
-            prev = w
-        gold.append([t for _, t in s])
-        pred.append(tags)
-    return f1_score(gold, pred)
+    assert R.conll_f1(export, shared_dir / "data" / "conll2003" / "dev.txt", subset=40,
+                      max_len=48) == pytest.approx(f1, abs=1e-6)
 
 
 def test_bad_inputs_one_line_each(tmp_path, shared_dir):
