@@ -103,7 +103,7 @@ def test_unknown_fields_name_close_matches():
     base = config_base.base_config()
     assert "did you mean config.train.batch_size" in cc.unknown_field(base, "train.batch_sise")
     assert "did you mean config.optim.learning_rate" in cc.unknown_field(base, "train.learning_rate")
-    assert "config.train has: batch_size" in cc.unknown_field(base, "train.foo")
+    assert "config.train has: attention, batch_size" in cc.unknown_field(base, "train.foo")
     assert "config.objective has:" in cc.unknown_field(base, "objective.foo")
     assert cc.unknown_field(base, "objective.w_attn") is None
 

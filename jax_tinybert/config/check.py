@@ -171,6 +171,7 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "teacher.dtype": DTYPES, "student.dtype": DTYPES,
         "teacher.cache_tokens": ("auto", "always", "never"),
         "train.split_update": ("auto", "always", "never"),
+        "train.attention": ("auto", "off", "xla", "cudnn"),
         "teacher.cache_dtype": ("float16", "float32"),
         "teacher.cache_build": ("auto", "beside", "before"), "teacher.cache_split": ("auto", "never"),
         "mesh.teacher": ("auto", "replicated", "sharded"),

@@ -183,7 +183,11 @@ def _train() -> ml_collections.ConfigDict:
         # The optimizer update as a program of its own, compiled once instead of in every
         # length bucket's step (step.SplitTrainStep): auto (short runs; speed/profiles.py) |
         # always | never.
-        split_update="auto"))
+        split_update="auto",
+        # Fused attention (speed/attention.py) in the layers whose scores no loss reads (the
+        # teacher's unmapped layers, evaluation, the teacher's passes): auto (cuDNN's flash
+        # attention for a 16-bit model on a GPU; off elsewhere) | off | xla | cudnn.
+        attention="auto"))
 
 
 def _mesh() -> ml_collections.ConfigDict:

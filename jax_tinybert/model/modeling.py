@@ -15,11 +15,11 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_tinybert.speed.dropout import Dropout
 from jax_tinybert.model import families
 from jax_tinybert.model.config import ACTIVATIONS, BertConfig, ConfigError  # noqa: F401
+from jax_tinybert.model.params import count_params, init_params, random_params  # noqa: F401
 
 Array = jax.Array
 Dtype = Any
@@ -125,6 +125,13 @@ class Products:
         B, H, T, d = x.shape
         return x.transpose(0, 2, 1, 3).reshape(B, T, H * d)
 
+    def attention(self, q: Array, k: Array, v: Array, mask_bias: Array, dtype: Dtype
+                  ) -> Optional[Array]:
+        """softmax(q k^T + mask_bias) v in one fused op where a backend has one, for the layers
+        whose scores nothing reads: q [B, H, Q, d] (scaled), k, v [B, H, T, d] -> [B, H, Q, d],
+        or None (here: the model's own products; speed/attention.py's fused ones)."""
+        return None
+
 
 PLAIN = Products()
 
@@ -222,11 +229,13 @@ class BertSelfAttention(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
-                 cls_positions: Optional[Array] = None, return_qkv: bool = False):
+                 cls_positions: Optional[Array] = None, return_qkv: bool = False,
+                 logits_wanted: bool = True):
         """h [B, T, D], mask_bias [B, 1, 1, T] or [B, 1, T, T] additive -> (context [B, Q, D],
         logits [B, H, Q, T], qkv); Q = T, or with `cls_only` 1 (queries from the [CLS] row only)
         or S (from the rows at cls_positions [B, S]). qkv: (q, k, v) [B, H, Q|T, d_head], q
-        unscaled, with `return_qkv`, else None."""
+        unscaled, with `return_qkv`, else None. Without `logits_wanted` the products' fused
+        attention may compute the context (logits None then)."""
         c = self.config
         B, T, D = h.shape
         # One [B*T, D] x [D, 3*D] product instead of three [D, D] ones: the same sums (each
@@ -262,6 +271,12 @@ class BertSelfAttention(_BertModule):
         heads_out = (q, k, v) if return_qkv else None
         # Scale q before the product: same math as scaling the scores, fewer multiplies.
         q = q / jnp.sqrt(jnp.asarray(c.head_dim, dtype=q.dtype))
+
+        if not (logits_wanted or return_qkv or (not deterministic
+                                                and c.attention_probs_dropout_prob > 0)):
+            fused = ops.attention(q, k, v, mask_bias, dtype)
+            if fused is not None:
+                return ops.merge_heads(fused), None, heads_out
 
         def product(eq, a, b):
             return ops.einsum(eq, a, b, dtype)
@@ -302,9 +317,10 @@ class BertAttention(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
-                 cls_positions: Optional[Array] = None, return_qkv: bool = False):
+                 cls_positions: Optional[Array] = None, return_qkv: bool = False,
+                 logits_wanted: bool = True):
         ctx, logits, qkv = BertSelfAttention(**self._shared(), name="self")(
-            h, mask_bias, deterministic, cls_only, cls_positions, return_qkv)
+            h, mask_bias, deterministic, cls_only, cls_positions, return_qkv, logits_wanted)
         out = BertSelfOutput(**self._shared(), name="output")(
             ctx, query_rows(h, cls_positions) if cls_only else h, deterministic)
         return out, logits, qkv
@@ -315,12 +331,13 @@ class BertLayer(_BertModule):
 
     @nn.compact
     def __call__(self, h, mask_bias, deterministic: bool = True, cls_only: bool = False,
-                 cls_positions: Optional[Array] = None, return_qkv: bool = False):
-        """h [B, T, D] -> (h' [B, Q, D], attention logits [B, H, Q, T], qkv or None); Q = T, or
-        with `cls_only` 1 (the [CLS] row's output, which needs every row's keys and values only)
-        or S (the rows at cls_positions [B, S]: each packed segment's [CLS])."""
+                 cls_positions: Optional[Array] = None, return_qkv: bool = False,
+                 logits_wanted: bool = True):
+        """h [B, T, D] -> (h' [B, Q, D], attention logits [B, H, Q, T] or None, qkv or None);
+        Q = T, or with `cls_only` 1 (the [CLS] row's output, which needs every row's keys and
+        values only) or S (the rows at cls_positions [B, S]: each packed segment's [CLS])."""
         a, logits, qkv = BertAttention(**self._shared(), name="attention")(
-            h, mask_bias, deterministic, cls_only, cls_positions, return_qkv)
+            h, mask_bias, deterministic, cls_only, cls_positions, return_qkv, logits_wanted)
         # Names as HF: intermediate/dense, then output/dense + output/LayerNorm.
         inter = _Intermediate(**self._shared(), name="intermediate")(a)
         out = BertFFNOutput(**self._shared(), name="output")(
@@ -363,13 +380,13 @@ class BertLayerCollection(_BertModule):
     def __call__(self, h, mask_bias, deterministic: bool = True,
                  attention_layers: frozenset = frozenset(), cls_only: bool = False,
                  cls_positions: Optional[Array] = None, qkv_layers: frozenset = frozenset()):
-        cls = nn.remat(BertLayer, static_argnums=(3, 4, 6)) if self.remat else BertLayer
+        cls = nn.remat(BertLayer, static_argnums=(3, 4, 6, 7)) if self.remat else BertLayer
         hidden, logits, qkv = [h], [], []
         n = self.config.num_hidden_layers
         for i in range(n):
             h, lg, heads = cls(**self._shared(), name=str(i))(
                 h, mask_bias, deterministic, cls_only and i == n - 1, cls_positions,
-                (i + 1) in qkv_layers)
+                (i + 1) in qkv_layers, (i + 1) in attention_layers)
             hidden.append(h)
             # Unrequested logits are dropped here; under jit XLA never materialises them.
             logits.append(lg if (i + 1) in attention_layers else None)
@@ -555,36 +572,6 @@ class _MLMTransform(_BertModule):
         return self._layer_norm()(_ACTIVATIONS[self.config.hidden_act](h))
 
 
-def init_params(model: nn.Module, rng: Array, seq_len: int = 8) -> dict:
-    """Random parameters (HF's init: N(0, initializer_range), zero bias, unit LayerNorm)."""
-    ids = jnp.zeros((1, seq_len), jnp.int32)
-    return model.init(rng, ids, jnp.ones_like(ids), jnp.zeros_like(ids))["params"]
-
-
-def random_params(model: nn.Module, seed: int) -> dict:
-    """`init_params`' distribution drawn by NumPy, without running the model: N(0,
-    initializer_range) kernels and embeddings, zero biases, unit LayerNorm scales (HF's init).
-    `init_params` runs the forward op by op, each op compiled on first use: ~4 s for a 4-layer
-    student on 2 CPU cores, against ~0.5 s here (the shapes come from an abstract trace). Other
-    values than `init_params` gives for the same seed. -> params, numpy arrays."""
-    shapes = jax.eval_shape(lambda: init_params(model, jax.random.PRNGKey(0)))
-    rng = np.random.default_rng(int(seed))
-    std = float(model.config.initializer_range)
-
-    def draw(path, leaf):
-        name = getattr(path[-1], "key", None)
-        if name in ("kernel", "embedding"):
-            x = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(std)
-        elif name in ("bias", "scale"):
-            x = np.full(leaf.shape, 1.0 if name == "scale" else 0.0, np.float32)
-        else:   # a parameter this function does not know the initialiser of
-            raise ValueError(f"random_params: no initialiser for parameter "
-                             f"{jax.tree_util.keystr(path)}")
-        return x.astype(leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
-
-
 def init_classifier(config: BertConfig, rng: Array) -> dict:
     """A new classification head {"kernel": [D, num_labels], "bias": [num_labels]} with the
     distribution `init_params` gives it (N(0, initializer_range), zero bias), without building
@@ -593,8 +580,3 @@ def init_classifier(config: BertConfig, rng: Array) -> dict:
         return _FirstTokenHead(config).init(rng, jnp.zeros((1, config.hidden_size)))["params"]
     head = nn.Dense(config.num_labels, kernel_init=_dense_init(config), name="classifier")
     return head.init(rng, jnp.zeros((1, config.hidden_size), jnp.float32))["params"]
-
-
-def count_params(params) -> int:
-    """Number of scalars in a parameter tree."""
-    return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))

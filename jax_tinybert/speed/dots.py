@@ -158,3 +158,6 @@ class HalfProducts:
 
     def merge_heads(self, x: Array) -> Array:
         return _heads_last(x)
+
+    def attention(self, q, k, v, mask_bias, dtype):
+        return None   # the model's own products (speed/attention.py wraps these to fuse it)

@@ -17,7 +17,7 @@ from jax_tinybert.speed.profiles import Profile, profile
 
 SPEED_FIELDS = ("data.bucket_compile_steps", "train.checkpoint_seconds", "train.compile_ahead",
                 "train.compile_workers", "train.chunk_tokens", "train.split_update",
-                "teacher.cache_tokens", "teacher.cache_build")
+                "teacher.cache_tokens", "teacher.cache_build", "train.attention")
 
 
 @dataclasses.dataclass

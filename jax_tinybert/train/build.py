@@ -37,11 +37,13 @@ from jax_tinybert.teacher import (fingerprint as teacher_fingerprint, stream as 
                                   training as teacher_training)
 from jax_tinybert.config.check import DTYPES, ConfigValueError, record_speed
 from jax_tinybert.data import vocab_match
+from jax_tinybert.errors import UserError
 from jax_tinybert.model import heads
 from jax_tinybert.model.hf import load_pretrained, resolve_path
-from jax_tinybert.model.modeling import BertConfig, BertForSequenceClassification, BertModel
+from jax_tinybert.model.modeling import (PLAIN, BertConfig, BertForSequenceClassification,
+                                         BertModel)
 from jax_tinybert import speed
-from jax_tinybert.speed import dtypes as speed_dtypes
+from jax_tinybert.speed import attention as fused_attention, dtypes as speed_dtypes
 from jax_tinybert.train import students
 from jax_tinybert.train.run_data import (  # noqa: F401  (the build layer's names)
     BUCKETS_RECORD, COMPILE_STEPS_LEN, EVAL_BUCKET_SHARE, Data, build_data, choose_buckets, subset)
@@ -73,29 +75,35 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
-def compute_dtypes(name: str) -> dict:
-    """A model's compute keyword arguments for config dtype `name` on this backend
-    (speed.dtypes.compute_dtypes)."""
-    dtype(name)
-    return speed_dtypes.compute_dtypes(name, speed.backend())
+def compute_dtypes(name: str, attention: str = "off", field: str = "student.dtype") -> dict:
+    """A model's compute keyword arguments for config dtype `name` (the config's `field`) and
+    train.attention `attention` on this backend (speed.dtypes.compute_dtypes, then
+    speed.attention.with_attention)."""
+    backend = speed.backend()
+    why = fused_attention.refusal(attention, backend, dtype(name), field)
+    if why:
+        raise UserError(why)
+    return fused_attention.with_attention(speed_dtypes.compute_dtypes(name, backend), attention,
+                                          backend, PLAIN)
 
 
 def student_module(config, student_config: BertConfig, head: str = "sequence"):
     """The student as the config asks for it (compute dtype, remat, official head; span and
     token heads: model/heads.py)."""
     sc = config.student
+    kw = compute_dtypes(sc.dtype, config.train.attention)
     if head != "sequence":
-        return heads.MODELS[head](student_config, **compute_dtypes(sc.dtype), remat=sc.remat)
-    return BertForSequenceClassification(student_config, **compute_dtypes(sc.dtype),
-                                         remat=sc.remat, head_relu=sc.head_relu)
+        return heads.MODELS[head](student_config, **kw, remat=sc.remat)
+    return BertForSequenceClassification(student_config, **kw, remat=sc.remat,
+                                         head_relu=sc.head_relu)
 
 
 def teacher_module(config, teacher_config: BertConfig, classifier: bool, head: str = "sequence"):
     """The frozen teacher: with its task head when its checkpoint has one."""
+    kw = compute_dtypes(config.teacher.dtype, config.train.attention, "teacher.dtype")
     if classifier and head != "sequence":
-        return heads.MODELS[head](teacher_config, **compute_dtypes(config.teacher.dtype))
-    cls = BertForSequenceClassification if classifier else BertModel
-    return cls(teacher_config, **compute_dtypes(config.teacher.dtype))
+        return heads.MODELS[head](teacher_config, **kw)
+    return (BertForSequenceClassification if classifier else BertModel)(teacher_config, **kw)
 
 
 @dataclasses.dataclass
