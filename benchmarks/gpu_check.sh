@@ -19,10 +19,13 @@
 #   1. fine-tuning, the intermediate stage (2 epochs) and the prediction stage on SST-2, one
 #      process each, through benchmarks/epoch.py's phases, no XLA_FLAGS set: the logs must say
 #      "fast compile", one bucket, and no per-token cache;
-#   2. step throughput at T 128, B 32 / 256, float32 and bf16 (MFU).
+#   2. step throughput at T 128, B 32 / 256, float32 and bf16 (MFU);
+#   3. the general-distillation step (TinyBERT's intermediate losses) of a BERT-base-shaped random
+#      teacher -> TinyBERT6 and TinyBERT4, T 128, B 256, bf16, with train.attention off and auto
+#      (cuDNN's flash attention in the layers no loss reads: jax_tinybert/speed/attention.py).
 # Steps 1 and 2 record their figures into $OUT/results/ (benchmarks/results.py), for the merge.
 # Environment: SUB=N (train subset; 0 = all), T1/T2 (timeouts of steps 1 and 2, s), GLUE_DIR (prepare),
-# PARTS (which of run's steps, default "0 1 2"), DTYPE (step 1's compute dtype: float32 or bfloat16).
+# PARTS (which of run's steps, default "0 1 2 3"; T3 step 3's timeout), DTYPE (step 1's compute dtype: float32 or bfloat16).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 G=.gpu
@@ -114,7 +117,7 @@ fi
   git log --oneline -1
   "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/log"
-PARTS=${PARTS:-0 1 2}
+PARTS=${PARTS:-0 1 2 3}
 DTYPE=${DTYPE:-float32}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 part 0 && {
@@ -168,6 +171,19 @@ for d in float32 bfloat16; do
       --no-torch --steps 5 --json "$OUT/step_$d.json" --record > "$L/step_$d.log" 2>&1
   echo "rc $? ($d)" | tee -a "$OUT/log"
   grep -E "^\| minilm" "$L/step_$d.log" | tee -a "$OUT/log"
+done
+}
+part 3 && {
+echo "== 3: general distillation step, bert_base -> tinybert6 / tinybert4, T 128, B 256, bf16" \
+    | tee -a "$OUT/log"
+for att in off auto; do
+  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T3:-300}" \
+      "$PY" benchmarks/step_throughput.py --dtype bfloat16 --random-teacher --teachers bert_base \
+      --students tinybert6,tinybert4 --stages intermediate --lengths 128 --batch-size 256 \
+      --no-torch --steps 5 --big-steps 5 --attention $att --json "$OUT/general_$att.json" \
+      > "$L/general_$att.log" 2>&1
+  echo "rc $? (attention $att)" | tee -a "$OUT/log"
+  grep -E "^\| bert" "$L/general_$att.log" | tee -a "$OUT/log"
 done
 }
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"

@@ -88,7 +88,8 @@ NO_TORCH_STAGES = ("minilm", "minilmv2")
 STAGE_SHORT = {"finetune": "finetune", "tinybert_intermediate": "intermediate",
                "tinybert_pred": "pred", "pkd": "pkd", "minilm": "minilm", "minilmv2": "minilmv2"}
 # (layers, hidden, intermediate, heads)
-STUDENT_SHAPES = {"tinybert4": (4, 312, 1200, 12), "l3_d384": (3, 384, 1536, 12)}
+STUDENT_SHAPES = {"tinybert4": (4, 312, 1200, 12), "tinybert6": (6, 768, 3072, 12),
+                  "l3_d384": (3, 384, 1536, 12)}
 TEACHERS = ("minilm", "bert_base")
 # all-MiniLM-L6-v2 (the packaged teacher): (layers, hidden, intermediate, heads).
 MINILM_SHAPE = (6, 384, 1536, 12)
@@ -198,10 +199,10 @@ OPT_CFG = {"name": "adamw", "learning_rate": 5e-5, "schedule": "constant", "warm
 
 
 def bench_config(stage: str, scfg: BertConfig, tcfg: BertConfig, student_dropout: bool = True,
-                 teacher_dropout: bool = False, dtype: str = "float32"):
+                 teacher_dropout: bool = False, dtype: str = "float32", attention: str = "auto"):
     """The run config of a benchmarked step: config_base's defaults, OPT_CFG, the stage's
     objective cfg, a live teacher (no cache: the step times the teacher forward too), `dtype`
-    the compute dtype of student and teacher."""
+    the compute dtype of student and teacher, `attention` train.attention."""
     c = config_base.base_config()
     c.objective.name = stage
     with c.objective.ignore_type():
@@ -210,6 +211,7 @@ def bench_config(stage: str, scfg: BertConfig, tcfg: BertConfig, student_dropout
     c.student.dropout = student_dropout
     c.student.dtype = dtype
     c.teacher.update(dict(cache=False, dropout=teacher_dropout, dtype=dtype))
+    c.train.attention = attention
     return c
 
 
@@ -218,7 +220,8 @@ class Case:
     a 1-device mesh."""
 
     def __init__(self, stage, tcfg, tparams, scfg, sparams, total_steps=100,
-                 student_dropout=True, seed=0, teacher_dropout=False, dtype="float32"):
+                 student_dropout=True, seed=0, teacher_dropout=False, dtype="float32",
+                 attention="auto"):
         if stage == "finetune":  # teacher fine-tuning: the teacher is the student
             scfg, sparams, tmodel_cfg = tcfg, tparams, None
         else:
@@ -226,7 +229,7 @@ class Case:
         self.stage, self.scfg, self.tcfg = stage, scfg, tmodel_cfg
         self.dtype = dtype
         self.config = config = bench_config(stage, scfg, tcfg, student_dropout, teacher_dropout,
-                                            dtype)
+                                            dtype, attention)
         self.obj = build.build_objective(config, scfg, tmodel_cfg)
         self.mesh = mesh = shd.make_mesh({"data": 1}, devices=jax.devices()[:1])
         self.student = build.student_module(config, scfg)
@@ -734,11 +737,12 @@ def _bench_one(args, stage, tname, tlabel, tweights, tcfg, tparams, sname, scfg,
         steps = min(steps, args.big_steps)
     row = {"teacher": tlabel, "student": slabel, "stage": stage, "length": T,
            "batch_size": B, "steps": steps, "warmup": args.warmup, "dtype": args.dtype,
-           "teacher_weights": tweights}
+           "teacher_weights": tweights, "attention": args.attention}
     try:
         case = Case(stage, tcfg, tparams, scfg, sparams,
                     total_steps=args.run_steps or args.warmup + 2 * steps,
-                    student_dropout=not args.no_student_dropout, dtype=args.dtype)
+                    student_dropout=not args.no_student_dropout, dtype=args.dtype,
+                    attention=args.attention)
         j = time_jax(case, host_batch, args.warmup, steps, pipelined=accel)
     except Exception as e:  # noqa: BLE001
         if not (accel and _is_oom(e)):
@@ -846,6 +850,9 @@ def parse_args(argv=None):
                    help="batch size, or a comma list to sweep (e.g. 32,256)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="compute dtype of student and teacher (params stay float32)")
+    p.add_argument("--attention", default="auto", choices=("auto", "off", "xla", "cudnn"),
+                   help="train.attention of both models (auto: cuDNN's flash attention for the "
+                        "layers no loss reads on a GPU in bfloat16; jax_tinybert/speed/attention.py)")
     p.add_argument("--random-teacher", action="store_true",
                    help="minilm: random weights of its shape instead of the packaged teacher")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
