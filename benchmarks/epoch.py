@@ -201,8 +201,8 @@ def parse_work(line: str, work: Optional[dict]) -> Optional[dict]:
 def _common(args, task: str) -> List[str]:
     o = [f"--config.data.glue_dir={args.glue_dir}", "--config.train.num_epochs=1",
          f"--config.data.train_subset={args.train_subset}"]
-    if args.dtype != "float32":
-        o += [f"--config.student.dtype={args.dtype}", f"--config.teacher.dtype={args.dtype}"]
+    # Named on every command line: the configs' "auto" is bfloat16 on a GPU.
+    o += [f"--config.student.dtype={args.dtype}", f"--config.teacher.dtype={args.dtype}"]
     return o + list(args.override)
 
 

@@ -207,11 +207,10 @@ def augmented_train_file(args, task: str, b: dict, tdir: str, tokenizer_dir: str
 # --------------------------------------------------------------------------- stages
 
 def _dtype_overrides(args) -> dict:
-    """Every model of every stage (teacher and student) computes in --dtype; float32 leaves the
-    configs' defaults. On a CPU, bfloat16 means bf16 products with float32 activations
-    (build.compute_dtypes)."""
-    d = args.dtype
-    return {} if d == "float32" else {"student.dtype": d, "teacher.dtype": d}
+    """Every model of every stage (teacher and student) computes in --dtype, named on every
+    command line (the configs' "auto" is bfloat16 on a GPU). On a CPU, bfloat16 means bf16
+    products with float32 activations (build.compute_dtypes)."""
+    return {"student.dtype": args.dtype, "teacher.dtype": args.dtype}
 
 
 def common_overrides(args, b: dict, task: Optional[str], kind: str) -> dict:

@@ -284,3 +284,35 @@ def test_logit_stages_need_a_fine_tuned_teacher():
             cc.validate_config(build.with_defaults(c))
     c.objective.name = "tinybert_intermediate"
     cc.validate_config(build.with_defaults(c))
+
+
+def test_auto_dtype_is_the_backends_and_a_resume_where_it_means_another_is_refused(
+        tmp_path, monkeypatch):
+    """student.dtype / teacher.dtype "auto": bfloat16 on a GPU or TPU, float32 on a CPU; the
+    run records the concrete dtype, so a GPU run resumed on a CPU (where auto is float32) is
+    another config, named in one line; passing the recorded dtype resumes it."""
+    from jax_tinybert.speed import profiles
+
+    assert config_base.base_config().student.dtype == "auto"
+    cpu = build.with_defaults(config_base.base_config())
+    assert (cpu.student.dtype, cpu.teacher.dtype) == ("float32", "float32")
+    monkeypatch.setattr(profiles, "backend", lambda: "gpu")
+    c = build.with_defaults(config_base.base_config())
+    assert (c.student.dtype, c.teacher.dtype) == ("bfloat16", "bfloat16")
+    c.data.glue_dir = str(tmp_path / "glue")
+    w = tmp_path / "w"
+    cc.check_workdir(c, str(w))                       # the GPU run, recorded
+    (w / "summary.json").write_text("{}")
+    monkeypatch.setattr(profiles, "backend", lambda: "cpu")
+    here = build.with_defaults(config_base.base_config())
+    here.data.glue_dir = c.data.glue_dir
+    with pytest.raises(UserError) as e:
+        cc.check_workdir(here, str(w))
+    msg = str(e.value)
+    assert 'student.dtype: "bfloat16" -> "float32"' in msg and "\n" not in msg, msg
+    assert "rerun with the run's values" in msg
+    fixed = config_base.base_config()
+    fixed.student.dtype = fixed.teacher.dtype = "bfloat16"
+    fixed = build.with_defaults(fixed)
+    fixed.data.glue_dir = c.data.glue_dir
+    cc.check_workdir(fixed, str(w))

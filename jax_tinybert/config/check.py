@@ -34,6 +34,7 @@ NO_RESULT_CHANGE = {"train.log_every", "train.eval_every", "train.checkpoint_eve
 # change them (to extend a run), with a warning naming the schedule change.
 SCHEDULE_FIELDS = ("train.num_steps", "train.num_epochs")
 DTYPES = ("float32", "bfloat16", "float16")
+MODEL_DTYPES = ("auto",) + DTYPES   # auto: the backend's (speed/profiles.py; build.with_defaults)
 CONFIG_RECORD = "config.json"
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ def _choices() -> Dict[str, Tuple[str, ...]]:
         "student.init": config_base.STUDENT_INITS, "data.kind": config_base.DATA_KINDS,
         "data.source": ("tsv", "hf", "tfds"), "data.corpus_mode": ("sentences", "documents"),
         "optim.name": optim.OPTIMIZERS, "optim.schedule": optim.SCHEDULES,
-        "teacher.dtype": DTYPES, "student.dtype": DTYPES,
+        "teacher.dtype": MODEL_DTYPES, "student.dtype": MODEL_DTYPES,
         "teacher.cache_tokens": ("auto", "always", "never"),
         "train.split_update": ("auto", "always", "never"),
         "train.attention": ("auto", "off", "xla", "cudnn"),

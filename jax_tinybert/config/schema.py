@@ -71,8 +71,9 @@ def _teacher() -> ml_collections.ConfigDict:
         # the step's speed setting: 1.6-2.1x TF32's on an H200 (benchmarks/RESULTS.md#on-a-gpu). On a CPU, bf16
         # products with float32 activations (speed/dtypes.py): 1.55-1.9x faster steps
         # with AMX, 1.2-1.6x on an AMD EPYC Zen 4 (AVX512-BF16), slower on an Intel CPU
-        # without AMX (cpu.fast_bf16; the start-up note says which).
-        dtype="float32",
+        # without AMX (cpu.fast_bf16; the start-up note says which). "auto": bfloat16 on a
+        # GPU or TPU, float32 on a CPU (speed/profiles.py); the run records which.
+        dtype="auto",
         dropout=False,           # True reproduces the official code (teacher left in train mode)
         cache=True,              # pred/kd/pkd stages: precompute teacher outputs once
         # Intermediate stage: cache the teacher's attention logits + hidden states (large):
@@ -102,7 +103,7 @@ def _student() -> ml_collections.ConfigDict:
                                  # weights split into this many heads (MiniLMv2's relations train it)
         num_hidden_layers=4, hidden_size=312, intermediate_size=1200, num_attention_heads=12,
         head_relu=False,         # official TinyBERT head: classifier(relu(pooled))
-        dropout=True, dtype="float32", remat=False,
+        dropout=True, dtype="auto", remat=False,   # dtype: as the teacher's
     ))
 
 

@@ -51,11 +51,19 @@ from jax_tinybert.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
-def dtype(name: str):
-    """config dtype name ("float32", "bfloat16", "float16") -> jnp dtype."""
+def dtype_name(name: str) -> str:
+    """A config dtype ("auto", "float32", "bfloat16", "float16") -> the one it is on this
+    backend (auto: speed/profiles.py's, bfloat16 on a GPU or TPU, float32 on a CPU)."""
+    if name == "auto":
+        return speed.current().dtype
     if name not in DTYPES:
-        raise ConfigValueError(f"dtype {name!r} is not valid; expected one of {DTYPES}")
-    return getattr(jnp, name)   # the scalar type (jnp.float32), as the model and caches expect
+        raise ConfigValueError(f"dtype {name!r} is not valid; expected one of {('auto',) + DTYPES}")
+    return name
+
+
+def dtype(name: str):
+    """config dtype name -> jnp dtype (`dtype_name`'s)."""
+    return getattr(jnp, dtype_name(name))   # the scalar type (jnp.float32), as the model expects
 
 
 # --------------------------------------------------------------------------- models
@@ -79,7 +87,7 @@ def compute_dtypes(name: str, attention: str = "off", field: str = "student.dtyp
     """A model's compute keyword arguments for config dtype `name` (the config's `field`) and
     train.attention `attention` on this backend (speed.dtypes.compute_dtypes, then
     speed.attention.with_attention)."""
-    backend = speed.backend()
+    backend, name = speed.backend(), dtype_name(name)
     why = fused_attention.refusal(attention, backend, dtype(name), field)
     if why:
         raise UserError(why)
@@ -183,9 +191,14 @@ def build_objective(config, student_config: BertConfig, teacher_config: Optional
 
 def with_defaults(config):
     """A copy of `config` whose objective and optimizer fields left at None hold the defaults
-    the named objective / optimizer declares (the values the run uses; config.json records them).
-    Unknown names are left for config_check to report."""
+    the named objective / optimizer declares, and whose "auto" model dtypes hold this backend's
+    (`dtype_name`): the values the run uses, which config.json records (a run resumed where
+    auto means another dtype is refused as another config). Unknown names are left for
+    config_check to report."""
     c = config.copy_and_resolve_references()
+    for block in (c.student, c.teacher):
+        if block.dtype == "auto":
+            block.dtype = dtype_name("auto")
     obj = objectives.REGISTRY.get(c.objective.name)
     opt = optim.defaults(c.optim.name) if c.optim.name in optim.OPTIMIZERS else None
     for block, defaults in ((c.objective, obj.defaults if obj else None), (c.optim, opt)):
