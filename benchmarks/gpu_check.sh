@@ -22,7 +22,8 @@
 #   2. step throughput at T 128, B 32 / 256, float32 and bf16 (MFU);
 #   3. the general-distillation step (TinyBERT's intermediate losses) of a BERT-base-shaped random
 #      teacher -> TinyBERT6 and TinyBERT4, T 128, B 256, bf16, with train.attention off and auto
-#      (cuDNN's flash attention in the layers no loss reads: jax_tinybert/speed/attention.py).
+#      (cuDNN's flash attention in the layers no loss reads: jax_tinybert/speed/attention.py),
+#      and PyTorch's step compiled (torch.compile, bf16 autocast, SDPA) beside auto.
 # Steps 1 and 2 record their figures into $OUT/results/ (benchmarks/results.py), for the merge.
 # Environment: SUB=N (train subset; 0 = all), T1/T2 (timeouts of steps 1 and 2, s), GLUE_DIR (prepare),
 # PARTS (which of run's steps, default "0 1 2 3"; T3 step 3's timeout), DTYPE (step 1's compute dtype: float32 or bfloat16).
@@ -176,11 +177,14 @@ done
 part 3 && {
 echo "== 3: general distillation step, bert_base -> tinybert6 / tinybert4, T 128, B 256, bf16" \
     | tee -a "$OUT/log"
+# auto also times PyTorch's step, torch.compile'd with bf16 autocast and SDPA where no loss reads
+# the scores (benchmarks/torch_reference.py fast=True; warmup 5: its compiles).
 for att in off auto; do
-  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T3:-300}" \
+  torch=(--no-torch); [[ $att == auto ]] && torch=(--torch-compile --warmup 5)
+  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0" timeout "${T3:-420}" \
       "$PY" benchmarks/step_throughput.py --dtype bfloat16 --random-teacher --teachers bert_base \
       --students tinybert6,tinybert4 --stages intermediate --lengths 128 --batch-size 256 \
-      --no-torch --steps 5 --big-steps 5 --attention $att --json "$OUT/general_$att.json" \
+      "${torch[@]}" --steps 5 --big-steps 5 --attention $att --json "$OUT/general_$att.json" \
       > "$L/general_$att.log" 2>&1
   echo "rc $? (attention $att)" | tee -a "$OUT/log"
   grep -E "^\| bert" "$L/general_$att.log" | tee -a "$OUT/log"

@@ -320,8 +320,9 @@ def time_jax(case: Case, host_batch, warmup: int, steps: int, pipelined: bool = 
 
 def time_torch(case: Case, host_batch, warmup: int, steps: int,
                student_dropout: bool = True, device: str = "cpu",
-               pipelined: bool = False) -> dict:
-    """The same step in PyTorch on `device`; bfloat16 cases run under torch.autocast."""
+               pipelined: bool = False, fast: bool = False) -> dict:
+    """The same step in PyTorch on `device`; bfloat16 cases run under torch.autocast; `fast`:
+    torch.compile and fused attention where no loss reads the scores (TorchReference)."""
     import torch
     from torch_reference import TorchReference, to_torch_batch
 
@@ -333,7 +334,8 @@ def time_torch(case: Case, host_batch, warmup: int, steps: int,
     ref = TorchReference.from_objective(case.obj, case.scfg, case.student_params, case.tcfg,
                                         case.host_teacher_params,
                                         jax.device_get(case.proj),
-                                        student_dropout=student_dropout, device=dev)
+                                        student_dropout=student_dropout, device=dev,
+                                        fast=fast)
     batch = {k: v.to(dev) for k, v in to_torch_batch(host_batch).items()}
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=case.dtype == "bfloat16")
     times, cpu = [], []
@@ -768,7 +770,7 @@ def _bench_one(args, stage, tname, tlabel, tweights, tcfg, tparams, sname, scfg,
         try:
             t = time_torch(case, host_batch, args.warmup, steps,
                            student_dropout=not args.no_student_dropout, device=torch_device,
-                           pipelined=accel)
+                           pipelined=accel, fast=args.torch_compile)
         except Exception as e:  # noqa: BLE001
             if not (accel and _is_oom(e)):
                 raise
@@ -778,7 +780,8 @@ def _bench_one(args, stage, tname, tlabel, tweights, tcfg, tparams, sname, scfg,
             row.update(torch_s_per_step=t["s_per_step"], torch_times=t["times"],
                        torch_pipelined_s_per_step=t.get("pipelined_s_per_step"),
                        torch_cpu_s_per_step=t["cpu_s_per_step"], torch_loss=t["loss"],
-                       torch_peak_bytes=t.get("peak_bytes"), jax_over_torch=ts / s)
+                       torch_peak_bytes=t.get("peak_bytes"), jax_over_torch=ts / s,
+                       torch_compiled=args.torch_compile)
     off = OFFICIAL_S_PER_STEP.get((stage, T))
     if off and tname == "minilm" and sname == "tinybert4" and not args.smoke and B == 32 \
             and not accel:
@@ -866,6 +869,9 @@ def parse_args(argv=None):
     p.add_argument("--skip", type=_csv, default=[],
                    help="teacher:length pairs to skip, e.g. bert_base:128")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="the PyTorch step torch.compile'd, with F.scaled_dot_product_attention "
+                        "in the layers no loss reads (benchmarks/torch_reference.py, fast=True)")
     p.add_argument("--no-student-dropout", action="store_true",
                    help="student deterministic (default: dropout on, as in training)")
     p.add_argument("--prng-impl", default=None,

@@ -38,6 +38,13 @@ def _scores_forward(self, hidden_states, attention_mask=None, head_mask=None, *a
     q = self.query(hidden_states).view(B, T, H, d).transpose(1, 2)
     k = self.key(hidden_states).view(B, T, H, d).transpose(1, 2)
     v = self.value(hidden_states).view(B, T, H, d).transpose(1, 2)
+    if not self.capture and self.sdpa:
+        # A layer whose scores no loss reads: PyTorch's fused attention (flash / memory-efficient
+        # kernels on a GPU), as ours fuses it there (jax_tinybert/speed/attention.py).
+        self.raw_scores = None
+        p = self.dropout.p if self.training else 0.0
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
+        return ctx.permute(0, 2, 1, 3).reshape(B, T, H * d), None
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d)
     self.raw_scores = scores if self.capture else None
     if attention_mask is not None:
@@ -56,9 +63,11 @@ def hf_config(config) -> transformers.BertConfig:
     return transformers.BertConfig(**d, attn_implementation="eager")
 
 
-def build_model(config, params: dict, capture_layers: Sequence[int] = ()) -> torch.nn.Module:
+def build_model(config, params: dict, capture_layers: Sequence[int] = (),
+                sdpa: bool = False) -> torch.nn.Module:
     """A transformers BertForSequenceClassification holding `params` (flax, {"bert", "classifier"})
-    whose 1-based layers `capture_layers` keep their raw attention scores."""
+    whose 1-based layers `capture_layers` keep their raw attention scores; with `sdpa` the
+    others run F.scaled_dot_product_attention."""
     from jax_tinybert.model.hf import params_to_torch_state_dict
 
     model = transformers.BertForSequenceClassification(hf_config(config))
@@ -73,7 +82,7 @@ def build_model(config, params: dict, capture_layers: Sequence[int] = ()) -> tor
         sa = layer.attention.self
         sa.forward = types.MethodType(_scores_forward, sa)
         sa.capture = (i + 1) in set(capture_layers)
-        sa.raw_scores = None
+        sa.sdpa, sa.raw_scores = sdpa, None
     return model
 
 
@@ -149,25 +158,27 @@ class TorchReference:
     attn_pairs / hidden_pairs: (student, teacher) 1-based layers (hidden 0 = embeddings; for pkd
     the hidden pairs are the [CLS] patience pairs). proj_params: {"fit_dense": {"kernel", "bias"}}
     or {} (flax layout, kernel [d_s, d_t]). device: where the models live (default CPU); batches
-    passed to `step` / `loss` must already be there.
+    passed to `step` / `loss` must already be there. fast: the layers whose scores no loss
+    reads run F.scaled_dot_product_attention and the step is torch.compile'd (the fastest
+    PyTorch step to compare with; the default is the eager one the equivalence tests read).
     """
 
     def __init__(self, stage: str, cfg: dict, student_config, student_params, teacher_config=None,
                  teacher_params=None, proj_params=None, attn_pairs: Pairs = (),
                  hidden_pairs: Pairs = (), lr: float = 5e-5, weight_decay: float = 0.01,
                  clip_norm: Optional[float] = 1.0, student_dropout: bool = True,
-                 device=None):
+                 device=None, fast: bool = False):
         if cfg.get("mode", "masked") != "masked":
             raise ValueError("the PyTorch reference implements mode='masked' only")
         self.stage, self.cfg = stage, dict(cfg)
         self.attn_pairs, self.hidden_pairs = tuple(attn_pairs), tuple(hidden_pairs)
         self.student = build_model(student_config, student_params,
-                                   [s for s, _ in self.attn_pairs])
+                                   [s for s, _ in self.attn_pairs], sdpa=fast)
         self.student.train(student_dropout)
         self.teacher = None
         if stage != "finetune":
             self.teacher = build_model(teacher_config, teacher_params,
-                                       [t for _, t in self.attn_pairs]).eval()
+                                       [t for _, t in self.attn_pairs], sdpa=fast).eval()
             for p in self.teacher.parameters():
                 p.requires_grad_(False)
         self.fit_dense = None
@@ -199,6 +210,8 @@ class TorchReference:
         self.opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                      foreach=True)
         self.clip_norm = clip_norm
+        # The forward and backward compiled (the optimizer's foreach update stays eager).
+        self._grad_step = torch.compile(self._grad) if fast else self._grad
 
     @classmethod
     def from_objective(cls, obj, student_config, student_params, teacher_config=None,
@@ -272,15 +285,19 @@ class TorchReference:
             return total, terms
         raise ValueError(f"stage {self.stage!r} not implemented in the PyTorch reference")
 
+    def _grad(self, batch) -> torch.Tensor:
+        loss, _ = self.loss(batch)
+        loss.backward()
+        return loss.detach()
+
     def step(self, batch) -> torch.Tensor:
         """One AdamW update on `batch` (torch tensors, see `to_torch_batch`); returns the loss."""
         self.opt.zero_grad(set_to_none=True)
-        loss, _ = self.loss(batch)
-        loss.backward()
+        loss = self._grad_step(batch)
         if self.clip_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm, foreach=True)
         self.opt.step()
-        return loss.detach()
+        return loss
 
 
 __all__ = ["TorchReference", "build_model", "hf_config", "to_torch_batch", "attention_mse",
