@@ -193,7 +193,7 @@ def test_help_lists_stages_configs_variants_and_fields(cli, how):
         assert cfg in out
     assert '"<task>_intermediate" / "<task>_pred"' in out      # task_distill's variants
     assert "--config.train.batch_size=64" in out               # how to override
-    assert "train: batch_size=32" in out                       # every field with its default
+    assert "train: attention='auto' batch_size=32" in out      # every field with its default
     assert "--config.objective.layer_map=0:0,1:2,2:3,3:5,4:6" in out
     assert "jax-tinybert --config=configs/finetune_teacher.py:sst2 --workdir=runs/sst2/teacher" \
         in out                                                 # an example
