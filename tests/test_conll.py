@@ -49,6 +49,33 @@ def test_bad_lines_name_file_and_line(tmp_path, line, msg):
     assert str(p) in str(e.value)
 
 
+def test_tfds_reader_maps_its_classlabel_by_name_and_converts_iob1(tmp_path, monkeypatch):
+    """TFDS records (tokens as bytes, ner as ids of info's ClassLabel names, here in another
+    order than HF's and in IOB1) read as the same file in IOB2 reads."""
+    import sys
+    import types
+
+    text = "EU I-ORG\nrejects O\nGerman I-MISC\ncall O\n\nPeter I-PER\nBlackburn I-PER\n"
+    (tmp_path / "f.txt").write_text(text)
+    names = ["O", "I-PER", "I-ORG", "I-MISC", "B-PER", "B-ORG", "B-MISC", "I-LOC", "B-LOC"]
+    records = []
+    for block in text.strip().split("\n\n"):
+        words, tags = zip(*(line.split() for line in block.splitlines()))
+        records.append({"tokens": np.array([w.encode() for w in words], dtype=object),
+                        "ner": np.array([names.index(t) for t in tags], np.int64)})
+    info = types.SimpleNamespace(features={"ner": types.SimpleNamespace(
+        feature=types.SimpleNamespace(names=names))})
+    calls = []
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", types.SimpleNamespace(
+        load=lambda name, split, with_info=False: calls.append((name, split)) or (records, info),
+        as_numpy=lambda ds: iter(ds)))
+    got = conll.read_tfds_conll("validation")
+    assert calls == [("conll2003", "dev")]
+    want = conll.read_conll(str(tmp_path / "f.txt"))
+    assert [(s.words, s.tags) for s in got] == [(s.words, s.tags) for s in want]
+    assert got[0].tags == ("B-ORG", "O", "B-MISC", "O")
+
+
 def test_teacher_label_order_is_remapped_by_name():
     id2label = {0: "B-LOC", 1: "O", 2: "I-LOC"}
     assert conll.remap(id2label, ("O", "B-LOC", "I-LOC")).tolist() == [1, 0, 2]

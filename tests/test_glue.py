@@ -152,7 +152,8 @@ def test_hf_mnli_labels_are_mapped_to_glue_order(monkeypatch):
 
 def test_tfds_bytes_are_decoded(monkeypatch):
     tfds = types.ModuleType("tensorflow_datasets")
-    tfds.load = lambda name, split: [{"sentence": b"a fine film", "label": np.int64(1), "idx": 0}]
+    rows = [{"sentence": b"a fine film", "label": np.int64(1), "idx": 0}]
+    tfds.load = lambda name, split, with_info=False: (rows, None) if with_info else rows
     tfds.as_numpy = lambda ds: ds
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", tfds)
     assert glue.load_examples("sst2", "dev", source="tfds") == [glue.Example("dev-0", "a fine film", None, 1)]

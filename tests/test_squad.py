@@ -150,6 +150,43 @@ def test_hf_reader_through_a_fake_loader(monkeypatch):
     assert [e.is_impossible for e in ex] == [False, True] and ex[0].answers == ("cat",)
 
 
+def _fake_tfds(monkeypatch, records, info=None):
+    """A `tensorflow_datasets` stand-in: load(name, split, with_info) -> (records, info) as
+    NumPy dicts of bytes, as tfds.as_numpy gives them; the calls it got."""
+    import sys
+    import types
+
+    calls = []
+
+    def load(name, split, with_info=False, **kw):
+        calls.append((name, split))
+        return (records, info) if with_info else records
+
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets",
+                        types.SimpleNamespace(load=load, as_numpy=lambda ds: iter(ds)))
+    return calls
+
+
+def test_tfds_reader_gives_the_official_files_examples(monkeypatch):
+    """The real dev contexts as TFDS records (bytes, NumPy arrays): the same examples as the
+    official JSON; a v2.0 question without answers is impossible."""
+    doc = json.loads((SQUAD / "v2.0" / "dev.json").read_text())
+    records = [{"id": qa["id"].encode(), "title": art["title"].encode(),
+                "context": p["context"].encode(), "question": qa["question"].encode(),
+                "answers": {"text": np.array([a["text"].encode() for a in qa["answers"]],
+                                             dtype=object),
+                            "answer_start": np.array([a["answer_start"] for a in qa["answers"]],
+                                                     np.int32)}}
+               for art in doc["data"] for p in art["paragraphs"] for qa in p["qas"]]
+    calls = _fake_tfds(monkeypatch, records)
+    got = squad.read_tfds_squad("2.0", "dev")
+    assert calls == [("squad/v2.0", "validation")]
+    want = squad.read_squad_file(str(SQUAD / "v2.0" / "dev.json"))
+    assert got == want and any(e.is_impossible for e in got)
+    from jax_tinybert.data import position_tasks    # --config.data.source=tfds
+    assert position_tasks.read(position_tasks.get("squad20"), "dev", source="tfds") == want
+
+
 def _hf_windows(tok, ex, max_len, stride):
     """transformers' own overflowing windows, labelled as run_qa's prepare_train_features."""
     enc = tok(ex.question.lstrip(), ex.context, truncation="only_second", max_length=max_len,

@@ -119,6 +119,25 @@ def read_hf_conll(split: str, **load_kwargs) -> List[NERSentence]:
             for r in ds]
 
 
+def read_tfds_conll(split: str, **load_kwargs) -> List[NERSentence]:
+    """TFDS `conll2003` (its local data_dir, or downloaded): tokens and ner tags by the names of
+    its ClassLabel (info.features), in IOB2 (an IOB1 chunk opening converted); split train |
+    dev | validation | test."""
+    from jax_tinybert.data.glue import text, tfds_split
+
+    tf_split = {"validation": "dev"}.get(split, split)
+    where = f"tfds conll2003:{tf_split}"
+    records, info = tfds_split("conll2003", tf_split, **load_kwargs)
+    names = list(info.features["ner"].feature.names)
+    for name in names:
+        _check_tag(name, where)
+    out = [NERSentence(tuple(text(w) for w in r["tokens"]),
+                       to_iob2([names[int(t)] for t in r["ner"]])) for r in records]
+    if not out:
+        raise DataError(f"{where}: no sentences")
+    return out
+
+
 def label_order(sentences: Sequence[NERSentence]) -> Tuple[str, ...]:
     """The labels, fixed by name: HF_LABELS where the data's tags are among them (so a model
     trained on HF's conll2003 keeps its ids), else "O" then the others sorted by type, B- first."""

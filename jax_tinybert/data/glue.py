@@ -307,21 +307,32 @@ def read_hf_split(task, split: str, **load_kwargs) -> List[Example]:
     return _from_records(spec, s, ds, f"hf glue/{spec.hf_name}:{hf_split}")
 
 
-def read_tfds_split(task, split: str, **load_kwargs) -> List[Example]:
-    """Reads `glue/<task>` through TensorFlow Datasets. Label ids mapped to this module's order."""
-    spec = get_task(task)
-    s = _split_name(spec, split)
+def tfds_split(name: str, split: str, **load_kwargs):
+    """(records as NumPy dicts, the dataset's tfds info) of TFDS `name`'s `split` (its local
+    data_dir, or downloaded); a missing package or dataset is one line naming it."""
     try:
         import tensorflow_datasets as tfds
     except ImportError as e:
         raise ImportError("source='tfds' needs tensorflow-datasets (and tensorflow): "
                           "pip install tensorflow-datasets") from e
-    tf_split = spec.hf_splits.get(s, s)
     try:
-        ds = tfds.load(f"glue/{spec.hf_name}", split=tf_split, **load_kwargs)
-        records = tfds.as_numpy(ds)
+        ds, info = tfds.load(name, split=split, with_info=True, **load_kwargs)
+        return tfds.as_numpy(ds), info
     except Exception as e:
-        raise DataError(f"could not load TFDS glue/{spec.hf_name} split {tf_split}: {e}") from e
+        raise DataError(f"could not load TFDS {name} split {split}: {e}") from e
+
+
+def text(x) -> str:
+    """A TFDS text field (bytes under as_numpy) as str."""
+    return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+def read_tfds_split(task, split: str, **load_kwargs) -> List[Example]:
+    """Reads `glue/<task>` through TensorFlow Datasets. Label ids mapped to this module's order."""
+    spec = get_task(task)
+    s = _split_name(spec, split)
+    tf_split = spec.hf_splits.get(s, s)
+    records, _ = tfds_split(f"glue/{spec.hf_name}", tf_split, **load_kwargs)
     return _from_records(spec, s, records, f"tfds glue/{spec.hf_name}:{tf_split}")
 
 

@@ -7,7 +7,7 @@
 
 Files: `data_dir` holds train.json + dev.json (SQuAD's official JSON) or train.txt + dev.txt
 (CoNLL column files); `source="hf"` reads HF `datasets` (`squad`, `squad_v2`, `conll2003`,
-online). A row of a span task is a window of a context (squad.encode_qa); dev rows carry no
+online), `source="tfds"` TensorFlow Datasets (`squad/v1.1`, `squad/v2.0`, `conll2003`). A row of a span task is a window of a context (squad.encode_qa); dev rows carry no
 labels: the metrics pair each row with its question through `example_id` (the row's index,
 carried in the batch) and `features.example_id`.
 """
@@ -108,7 +108,7 @@ def file_path(spec: PositionTask, split: str, data_dir: str) -> str:
     if not data_dir:
         raise UserError(f"no data for {spec.name}: set --config.data.data_dir to a folder holding "
                         f"{' + '.join(spec.files.values())}, or use --config.data.source=hf "
-                        "(online)")
+                        "(online) or tfds")
     path = os.path.join(data_dir, spec.files[split])
     if not os.path.isfile(path):
         raise PathError(f"{path}: no such file; config.data.data_dir must hold "
@@ -134,7 +134,8 @@ def check_files(spec: PositionTask, data_dir: str, train_file: str = "") -> None
 
 def read(spec: PositionTask, split: str, *, data_dir: str = "", source: str = "tsv",
          ner_column: int = -1, train_file: str = "") -> List[Any]:
-    """The split's examples from data_dir's file (source "tsv": files) or HF `datasets` ("hf");
+    """The split's examples from data_dir's file (source "tsv": files), HF `datasets` ("hf") or
+    TFDS ("tfds": squad/v1.1, squad/v2.0, conll2003);
     train_file replaces the train split's file (e.g. data.augment's train_aug.json / .txt)."""
     if split == "train" and train_file:
         if spec.head == "span":
@@ -144,9 +145,13 @@ def read(spec: PositionTask, split: str, *, data_dir: str = "", source: str = "t
         if spec.head == "span":
             return squad.read_hf_squad(spec.hf_name, split)
         return conll.read_hf_conll(split)
+    if source == "tfds":
+        if spec.head == "span":
+            return squad.read_tfds_squad(spec.version, split)
+        return conll.read_tfds_conll(split)
     if source != "tsv":
-        raise UserError(f"config.data.source={source!r}: {spec.name} reads files (tsv) or HF "
-                        "datasets (hf)")
+        raise UserError(f"config.data.source={source!r}: {spec.name} reads files (tsv), HF "
+                        "datasets (hf) or TFDS (tfds)")
     path = file_path(spec, split, data_dir)
     if spec.head == "span":
         return squad.read_squad_file(path, version=spec.version)

@@ -155,6 +155,28 @@ def read_hf_squad(name: str, split: str, **load_kwargs) -> List[QAExample]:
     return out
 
 
+TFDS_NAMES = {"1.1": "squad/v1.1", "2.0": "squad/v2.0"}
+
+
+def read_tfds_squad(version: str, split: str, **load_kwargs) -> List[QAExample]:
+    """TFDS `squad/v1.1` or `squad/v2.0` (its local data_dir, or downloaded); split "train" or
+    "dev"/"validation". Same checks as read_squad_file (an unanswerable v2.0 question: no
+    answers)."""
+    from jax_tinybert.data.glue import text, tfds_split
+
+    name, tf_split = TFDS_NAMES[version], HF_SPLITS.get(split, split)
+    records, _ = tfds_split(name, tf_split, **load_kwargs)
+    where, v2, out = f"tfds {name}:{tf_split}", version == "2.0", []
+    for r in records:
+        texts = [text(t) for t in r["answers"]["text"]]
+        starts = [int(x) for x in r["answers"]["answer_start"]]
+        out.append(_checked(text(r["id"]), text(r.get("title", b"")), text(r["context"]),
+                            text(r["question"]), texts, starts, v2 and not texts, v2, where))
+    if not out:
+        raise DataError(f"{where}: no examples")
+    return out
+
+
 @dataclasses.dataclass
 class QAFeatures:
     """Windows of SQuAD examples, ragged like tokenize.EncodedDataset (which holds the ids).
