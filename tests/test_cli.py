@@ -84,7 +84,7 @@ BAD_INPUTS = [  # (extra args, replacing FINETUNE's where the flag is the same; 
                                         "configs/finetune_teacher.py"]),
     (["--config.train.batch_sise=64"], ["unknown field config.train.batch_sise",
                                         "did you mean config.train.batch_size"]),
-    (["--config.train.foo=1"], ["unknown field config.train.foo", "config.train has: batch_size"]),
+    (["--config.train.foo=1"], ["unknown field config.train.foo", "config.train has: attention, batch_size"]),
     (["--config.objective.foo=1"], ["unknown field config.objective.foo"]),
     (["--config.train.batch_size=abc"], ["--config.train.batch_size=abc: bad value",
                                          "expects an integer"]),

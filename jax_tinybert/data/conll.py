@@ -15,7 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.data.glue import DataError
+from jax_tinybert.data.glue import DataError, text, tfds_split
 
 # HF `conll2003`'s ClassLabel order of ner_tags.
 HF_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
@@ -123,8 +123,6 @@ def read_tfds_conll(split: str, **load_kwargs) -> List[NERSentence]:
     """TFDS `conll2003` (its local data_dir, or downloaded): tokens and ner tags by the names of
     its ClassLabel (info.features), in IOB2 (an IOB1 chunk opening converted); split train |
     dev | validation | test."""
-    from jax_tinybert.data.glue import text, tfds_split
-
     tf_split = {"validation": "dev"}.get(split, split)
     where = f"tfds conll2003:{tf_split}"
     records, info = tfds_split("conll2003", tf_split, **load_kwargs)

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.data.glue import DataError
+from jax_tinybert.data.glue import DataError, text, tfds_split
 from jax_tinybert.data.tokenize import EncodedDataset
 from jax_tinybert.progress import Progress
 
@@ -162,8 +162,6 @@ def read_tfds_squad(version: str, split: str, **load_kwargs) -> List[QAExample]:
     """TFDS `squad/v1.1` or `squad/v2.0` (its local data_dir, or downloaded); split "train" or
     "dev"/"validation". Same checks as read_squad_file (an unanswerable v2.0 question: no
     answers)."""
-    from jax_tinybert.data.glue import text, tfds_split
-
     name, tf_split = TFDS_NAMES[version], HF_SPLITS.get(split, split)
     records, _ = tfds_split(name, tf_split, **load_kwargs)
     where, v2, out = f"tfds {name}:{tf_split}", version == "2.0", []
