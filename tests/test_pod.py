@@ -199,13 +199,10 @@ def test_preflight_check_reports_every_host(setup, shared_dir, tmp_path):
 # not fill the 8 devices); CoNLL's tiny model learns entities (dev F1 ~0.5) in 300 steps, run
 # by one process first: the pod and a second process go on from its export for a few steps.
 POSITION = {
-    "squad11": dict(data="squad/v1.1", slack=5.0, steps=40, args=[
-        "--config.data.max_len=64", "--config.data.max_query_len=16",
-        "--config.data.doc_stride=16", "--config.data.train_subset=300",
-        "--config.data.eval_subset=40", "--config.optim.learning_rate=3e-3"]),
-    "conll2003": dict(data="conll2003", slack=0.03, steps=300, args=[
-        "--config.data.max_len=32", "--config.data.train_subset=2000",
-        "--config.data.eval_subset=100", "--config.optim.learning_rate=5e-3"]),
+    "squad11": dict(data="squad/v1.1", slack=5.0, steps=40, lr=3e-3, fields=dict(
+        max_len=64, max_query_len=16, doc_stride=16, train_subset=300, eval_subset=40)),
+    "conll2003": dict(data="conll2003", slack=0.03, steps=300, lr=5e-3, fields=dict(
+        max_len=32, train_subset=2000, eval_subset=100)),
 }
 
 
@@ -217,18 +214,18 @@ def _position_args(task, wd, teacher, shared_dir, steps):
             "--config.train.batch_size=32", "--config.train.eval_batch_size=16",
             "--config.student.dropout=False", "--config.train.log_every=100",
             f"--config.train.num_steps={steps}", "--config.train.checkpoint_every=100",
-            *p["args"]]
+            f"--config.optim.learning_rate={p['lr']}",
+            *(f"--config.data.{k}={v}" for k, v in p["fields"].items())]
 
 
 def _rescored(task, export, shared_dir):
-    a = {k.split("=")[0].rsplit(".", 1)[1]: int(k.split("=")[1])
-         for k in POSITION[task]["args"] if k.startswith("--config.data.")}
+    f = POSITION[task]["fields"]
     if task == "squad11":
         return R.squad(export, shared_dir / "data" / "squad" / "v1.1", task,
-                       max_len=a["max_len"], doc_stride=a["doc_stride"],
-                       max_query_len=a["max_query_len"], subset=a["eval_subset"])["f1"]
+                       max_len=f["max_len"], doc_stride=f["doc_stride"],
+                       max_query_len=f["max_query_len"], subset=f["eval_subset"])["f1"]
     return R.conll_f1(export, shared_dir / "data" / "conll2003" / "dev.txt",
-                      subset=a["eval_subset"], max_len=a["max_len"])
+                      subset=f["eval_subset"], max_len=f["max_len"])
 
 
 def _f1(wd) -> float:

@@ -15,7 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.data.glue import DataError, text, tfds_split
+from jax_tinybert.data.glue import DataError, tfds_split, record_text
 
 # HF `conll2003`'s ClassLabel order of ner_tags.
 HF_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
@@ -129,7 +129,7 @@ def read_tfds_conll(split: str, **load_kwargs) -> List[NERSentence]:
     names = list(info.features["ner"].feature.names)
     for name in names:
         _check_tag(name, where)
-    out = [NERSentence(tuple(text(w) for w in r["tokens"]),
+    out = [NERSentence(tuple(record_text(w) for w in r["tokens"]),
                        to_iob2([names[int(t)] for t in r["ner"]])) for r in records]
     if not out:
         raise DataError(f"{where}: no sentences")

@@ -268,10 +268,8 @@ def _from_records(spec: TaskSpec, split: str, records, source: str) -> List[Exam
     fa, fb = spec.hf_fields
     out = []
     for i, r in enumerate(records):
-        def text(v):
-            return v.decode("utf-8") if isinstance(v, bytes) else str(v)
-        a = text(r[fa])
-        b = text(r[fb]) if fb else None
+        a = record_text(r[fa])
+        b = record_text(r[fb]) if fb else None
         lab = r.get("label", -1)
         lab = lab.item() if hasattr(lab, "item") else lab
         if split == "test" or lab == -1:
@@ -322,8 +320,8 @@ def tfds_split(name: str, split: str, **load_kwargs):
         raise DataError(f"could not load TFDS {name} split {split}: {e}") from e
 
 
-def text(x) -> str:
-    """A TFDS text field (bytes under as_numpy) as str."""
+def record_text(x) -> str:
+    """A text field of an HF or TFDS record as str (TFDS gives bytes under as_numpy)."""
     return x.decode("utf-8") if isinstance(x, bytes) else str(x)
 
 

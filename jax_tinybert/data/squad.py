@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.data.glue import DataError, text, tfds_split
+from jax_tinybert.data.glue import DataError, tfds_split, record_text
 from jax_tinybert.data.tokenize import EncodedDataset
 from jax_tinybert.progress import Progress
 
@@ -144,12 +144,20 @@ def read_hf_squad(name: str, split: str, **load_kwargs) -> List[QAExample]:
     except Exception as e:  # offline, no cache, ...
         raise DataError(f"could not load HF dataset {name} split {hf_split}: {e} (offline? read "
                         "the official JSON files with read_squad_file)") from e
-    where, v2, out = f"hf {name}:{hf_split}", HF_NAMES[name] == "2.0", []
-    for r in ds:
-        ans = r["answers"]
-        texts, starts = list(ans["text"]), [int(s) for s in ans["answer_start"]]
-        out.append(_checked(r["id"], r.get("title", ""), r["context"], r["question"], texts,
-                            starts, v2 and not texts, v2, where))
+    return _from_records(ds, f"hf {name}:{hf_split}", HF_NAMES[name] == "2.0")
+
+
+def _from_records(records, where: str, v2: bool) -> List[QAExample]:
+    """HF / TFDS SQuAD records (str or bytes fields) -> checked QAExamples; an unanswerable
+    v2.0 question has no answers."""
+    out = []
+    for r in records:
+        texts = [record_text(t) for t in r["answers"]["text"]]
+        starts = [int(x) for x in r["answers"]["answer_start"]]
+        qid, title, context, question = (record_text(r.get(k, "")) for k in
+                                         ("id", "title", "context", "question"))
+        out.append(_checked(qid, title, context, question, texts, starts, v2 and not texts, v2,
+                            where))
     if not out:
         raise DataError(f"{where}: no examples")
     return out
@@ -164,15 +172,7 @@ def read_tfds_squad(version: str, split: str, **load_kwargs) -> List[QAExample]:
     answers)."""
     name, tf_split = TFDS_NAMES[version], HF_SPLITS.get(split, split)
     records, _ = tfds_split(name, tf_split, **load_kwargs)
-    where, v2, out = f"tfds {name}:{tf_split}", version == "2.0", []
-    for r in records:
-        texts = [text(t) for t in r["answers"]["text"]]
-        starts = [int(x) for x in r["answers"]["answer_start"]]
-        out.append(_checked(text(r["id"]), text(r.get("title", b"")), text(r["context"]),
-                            text(r["question"]), texts, starts, v2 and not texts, v2, where))
-    if not out:
-        raise DataError(f"{where}: no examples")
-    return out
+    return _from_records(records, f"tfds {name}:{tf_split}", version == "2.0")
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-DONE = "##### cli_stages: command {i} finished in {s:.1f} s"
+MARK = "##### cli_stages: command {i} finished"   # then " in S s"
 
 
 class Result:
@@ -34,8 +34,7 @@ class Result:
         self.outputs = []
         rest = proc.stdout
         for i in range(n):
-            head = DONE.format(i=i, s=0.0).split(" finished")[0] + " finished"
-            cut = rest.find(head)
+            cut = rest.find(MARK.format(i=i))
             assert cut >= 0, f"command {i} did not finish:\n{rest[-3000:]}"
             self.outputs.append(rest[:cut])
             rest = rest[rest.index("\n", cut) + 1:]
@@ -95,7 +94,7 @@ def _main(path: str) -> None:
         else:
             _training(argv)
         sys.stderr.flush()
-        print(DONE.format(i=i, s=time.time() - t0), flush=True)
+        print(f"{MARK.format(i=i)} in {time.time() - t0:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
