@@ -23,10 +23,14 @@
 #   3. the general-distillation step (TinyBERT's intermediate losses) of a BERT-base-shaped random
 #      teacher -> TinyBERT6 and TinyBERT4, T 128, B 256, bf16, with train.attention off and auto
 #      (cuDNN's flash attention in the layers no loss reads: jax_tinybert/speed/attention.py),
-#      and PyTorch's step compiled (torch.compile, bf16 autocast, SDPA) beside auto.
+#      and PyTorch's step compiled (torch.compile, bf16 autocast, SDPA) beside auto;
+#   4. SST-2's intermediate stage (3 epochs) through the CLI, cold and then warm compile cache:
+#      when the first step comes, and the share of the process spent in steps.
 # Steps 1 and 2 record their figures into $OUT/results/ (benchmarks/results.py), for the merge.
 # Environment: SUB=N (train subset; 0 = all), T1/T2 (timeouts of steps 1 and 2, s), GLUE_DIR (prepare),
-# PARTS (which of run's steps, default "0 1 2 3"; T3 step 3's timeout), DTYPE (step 1's compute dtype: float32 or bfloat16).
+# PARTS (which of run's steps, default "0 1 2 3 4"), T3 / T4 (timeouts of steps 3 and 4),
+# LAT_ARGS (more --config overrides for step 4: a train subset for a dry run on a CPU),
+# DTYPE (step 1's compute dtype: float32 or bfloat16).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 G=.gpu
@@ -80,16 +84,17 @@ from safetensors.numpy import load_file, save_file
 d = load_file(sys.argv[1])
 save_file({k: v.astype("float32") if v.dtype.kind == "f" else v for k, v in d.items()}, sys.argv[2])
 EOF
+# Each line of a command's output stamped with the seconds since it started.
+STAMP='import sys, time
+t = time.time()
+for line in sys.stdin:
+    print(f"{time.time() - t:8.2f} {line}", end="")'
 if [[ "$mode" == ab ]]; then
   # ab 'OVERRIDES A' 'OVERRIDES B' ...: SST-2's intermediate stage for 2 epochs (the packaged
   # teacher), once per argument, each with an empty compile cache: whole-process wall time, the
   # first step's time, the closing line.
   shift
   W=/tmp/jtb_gpu_ab
-  STAMP='import sys, time
-t = time.time()
-for line in sys.stdin:
-    print(f"{time.time() - t:8.2f} {line}", end="")'
   rm -rf $W && mkdir -p $W
   i=0
   for ov in "$@"; do
@@ -118,7 +123,7 @@ fi
   git log --oneline -1
   "$PY" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/log"
-PARTS=${PARTS:-0 1 2 3}
+PARTS=${PARTS:-0 1 2 3 4}
 DTYPE=${DTYPE:-float32}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 part 0 && {
@@ -188,6 +193,38 @@ for att in off auto; do
       > "$L/general_$att.log" 2>&1
   echo "rc $? (attention $att)" | tee -a "$OUT/log"
   grep -E "^\| bert" "$L/general_$att.log" | tee -a "$OUT/log"
+done
+}
+part 4 && {
+echo "== 4: SST-2's intermediate stage, 3 epochs, through the CLI: cold then warm compile cache" \
+    | tee -a "$OUT/log"
+# The targets: the first step within 30 s of start cold and 10 s warm; >= 60% of the warm
+# process in steps. Each line of the log is stamped with seconds since the process started.
+W=/tmp/jtb_gpu_latency
+rm -rf $W && mkdir -p $W
+for run in cold warm; do
+  t0=$(date +%s%N)
+  JAX_COMPILATION_CACHE_DIR=$W/xla timeout "${T4:-240}" "$PY" -m jax_tinybert.main \
+      --config=configs/task_distill.py:sst2_intermediate --workdir=$W/$run \
+      --config.data.glue_dir="$PWD/$G/glue" --config.data.cache_dir=$W/tokens \
+      --config.teacher.path=$T --config.student.init=random \
+      --config.objective.layer_map="[(0,0),(1,2),(2,3),(3,5),(4,6)]" \
+      --config.train.num_epochs=3 ${LAT_ARGS:-} 2>&1 | "$PY" -uc "$STAMP" > "$L/latency_$run.log"
+  rc=${PIPESTATUS[0]}
+  t1=$(date +%s%N)
+  "$PY" - "$L/latency_$run.log" "$run" "$rc" "$(( (t1 - t0) / 1000000 ))" <<'EOF' | tee -a "$OUT/log"
+import re, sys
+path, run, rc, whole_ms = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+steps = [(float(m.group(1)), int(m.group(2))) for m in
+         (re.match(r" *([0-9.]+) step +([0-9]+)/", l) for l in open(path)) if m]
+whole = whole_ms / 1000
+if not steps:
+    print(f"{run}: rc {rc}, whole process {whole:.1f} s, no step line")
+    sys.exit()
+(t_first, _), (t_last, n) = steps[0], steps[-1]
+print(f"{run}: rc {rc}, whole process {whole:.1f} s, first step at {t_first:.1f} s, steps 1-{n} "
+      f"{t_last - t_first:.1f} s = {100 * (t_last - t_first) / whole:.0f}% of the process")
+EOF
 done
 }
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
