@@ -323,6 +323,7 @@ CPU = dict(
     # explicit pairs, --layer_map) and the teacher layers the students start from (--init_layers).
     inter_layer_map="uniform")
 CPU_TEACHER_LAYERS = 6   # the packaged all-MiniLM-L6-v2
+STUDENT_STAGES = tuple(s for s in CPU["lr"] if s != "teacher")   # --epochs' stages
 # The intermediate stage with MiniLM's objectives instead of TinyBERT's (then the same prediction
 # stage): row -> (objective, the student's heads; 0 = the teacher's 12). The 6-head student
 # has the same weights split into fewer heads: only MiniLMv2's relations can distil into it.
@@ -462,13 +463,17 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     want = set(args.rows.split(",")) if args.rows else set(CPU_ROWS)
     if pos:
         want -= {"tinybert+da", "majority"}
+    ep = {**{s: se for s in STUDENT_STAGES}, **args.epochs}   # --epochs: per student stage
     print(f"[glue cpu] {_task_name(task)}: {n} train examples; teacher {te:.2f} epochs, student "
-          f"stages {se:.2f} epochs each", flush=True)
+          f"stages {se:.2f} epochs each" + "".join(f", {k} {v:.2f}" for k, v in args.epochs.items()),
+          flush=True)
     lr = {**CPU["lr"], **CPU["task_lr"].get(task, {}), **args.lr}
     res: Dict[str, dict] = {"recipe": {"teacher_epochs": te, "student_epochs": se, "lr": lr,
                                        "init_layers": list(args.init_layers),
                                        "layer_map": args.layer_map,
                                        "dtype": args.dtype}}
+    if args.epochs:
+        res["recipe"]["stage_epochs"] = dict(args.epochs)
     c = _load_config("finetune_teacher", task)
     res["teacher"] = _run(_set(c, {**_cpu_common(args, task, te, lr["teacher"]),
                                    "teacher.path": "packaged"}), os.path.join(tdir, "teacher"))
@@ -476,7 +481,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
 
     def tinybert(suffix: str, train_file: str = "", objective: str = "", heads: int = 0):
         c = _load_config("task_distill", f"{task}_intermediate")
-        o = {**_cpu_common(args, task, se, lr["inter"]), **init,
+        o = {**_cpu_common(args, task, ep["inter"], lr["inter"]), **init,
              "objective.projection": CPU["inter_projection"],
              "objective.layer_map": args.layer_map}
         if objective:   # MiniLM / MiniLMv2: the relations of the teacher's last layer
@@ -489,7 +494,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
             o.update(da)
         res["inter" + suffix] = _run(_set(c, o), os.path.join(tdir, "inter" + suffix))
         c = _load_config("task_distill", f"{task}_pred")
-        o = {**_cpu_common(args, task, se, lr["pred"]), "teacher.path": teacher_export,
+        o = {**_cpu_common(args, task, ep["pred"], lr["pred"]), "teacher.path": teacher_export,
              "student.init": "pretrained",
              "student.path": os.path.join(tdir, "inter" + suffix, "export")}
         if train_file:
@@ -509,18 +514,18 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     if "labels-only" in want:
         c = _load_config("finetune_teacher", task)
         c.stage = "task_distill"
-        res["labels"] = _run(_set(c, {**_cpu_common(args, task, se, lr["labels"]), **init,
+        res["labels"] = _run(_set(c, {**_cpu_common(args, task, ep["labels"], lr["labels"]), **init,
                                       "teacher.cache": False}), os.path.join(tdir, "labels"))
 
     if "kd" in want:
         c = _load_config("task_distill", f"{task}_pred")
         c.stage, c.objective.name = "kd", "kd"   # T, alpha, t2: KD's own defaults
-        res["kd"] = _run(_set(c, {**_cpu_common(args, task, se, lr["kd"]), **init}),
+        res["kd"] = _run(_set(c, {**_cpu_common(args, task, ep["kd"], lr["kd"]), **init}),
                          os.path.join(tdir, "kd"))
 
     if "pkd" in want:
         c = _load_config("pkd", task)
-        res["pkd"] = _run(_set(c, {**_cpu_common(args, task, se, lr["pkd"]), **init}),
+        res["pkd"] = _run(_set(c, {**_cpu_common(args, task, ep["pkd"], lr["pkd"]), **init}),
                           os.path.join(tdir, "pkd"))
     return res
 
@@ -611,7 +616,9 @@ def cpu_table(rows: List[dict], res_by_task: Dict[str, dict]) -> str:
             r = res["recipe"]
             L.append("")
             L.append(f"Recipe for {task}: teacher {r['teacher_epochs']:.2f} epochs, student stages "
-                     f"{r['student_epochs']:.2f} epochs each, learning rates {json.dumps(r['lr'])}"
+                     f"{r['student_epochs']:.2f} epochs each"
+                     + "".join(f", {k} {v:.2f}" for k, v in r.get("stage_epochs", {}).items())
+                     + f", learning rates {json.dumps(r['lr'])}"
                      + (f", students initialised from teacher layers {r['init_layers']}, "
                         f"intermediate layer map {r['layer_map']}" if "init_layers" in r else "")
                      + f", compute dtype {r['dtype']}.")
@@ -829,19 +836,32 @@ def _model_folder_problem(path: str) -> str:
     return ""
 
 
-def _parse_lr(ap, text: str) -> Dict[str, float]:
+def _parse_stage_values(ap, flag: str, text: str, stages, example: str,
+                        what: str) -> Dict[str, float]:
+    """'stage=value,...' -> {stage: value}; a stage not in `stages`, a value that is not a
+    positive number: argparse's one-line error naming the item."""
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         stage, _, value = item.partition("=")
-        if stage not in CPU["lr"]:
-            ap.error(f"--lr {item!r}: stage {stage!r} is not one of {','.join(CPU['lr'])}")
+        if stage not in stages:
+            ap.error(f"{flag} {item!r}: stage {stage!r} is not one of {','.join(stages)}")
         try:
             out[stage] = float(value)
         except ValueError:
-            ap.error(f"--lr {item!r}: {value!r} is not a number (e.g. --lr teacher=1e-4)")
+            ap.error(f"{flag} {item!r}: {value!r} is not a number (e.g. {flag} {example})")
         if not out[stage] > 0:
-            ap.error(f"--lr {item!r}: the learning rate must be > 0")
+            ap.error(f"{flag} {item!r}: {what} must be > 0")
     return out
+
+
+def _parse_lr(ap, text: str) -> Dict[str, float]:
+    return _parse_stage_values(ap, "--lr", text, tuple(CPU["lr"]), "teacher=1e-4",
+                               "the learning rate")
+
+
+def _parse_epochs(ap, text: str) -> Dict[str, float]:
+    return _parse_stage_values(ap, "--epochs", text, STUDENT_STAGES, "inter=4,pred=1",
+                               "the epoch count")
 
 
 def main(argv=None) -> str:
@@ -900,6 +920,10 @@ def main(argv=None) -> str:
     ap.add_argument("--lr", default="",
                     help="budget cpu: learning rates per stage, e.g. teacher=1e-4,pred=3e-5 "
                     f"(stages {','.join(CPU['lr'])}; default {json.dumps(CPU['lr'])})")
+    ap.add_argument("--epochs", default="",
+                    help="budget cpu: epochs of single student stages, e.g. inter=4,pred=1 (stages "
+                    f"{','.join(STUDENT_STAGES)}; the others keep --student_max_epochs' or the "
+                    "budget's)")
     ap.add_argument("--init_layers", default="",
                     help="budget cpu: the fine-tuned teacher's layers (1-based) every student "
                     f"starts from, e.g. 2,4,6 (default {','.join(map(str, CPU['init_layers']))})")
@@ -946,6 +970,7 @@ def main(argv=None) -> str:
             ap.error(f"--teacher {args.teacher}: {layers} layers; the PKD row's student takes the "
                      f"teacher's layers 1-{need}: pass a teacher of at least {need} layers")
     args.lr = _parse_lr(ap, args.lr)
+    args.epochs = _parse_epochs(ap, args.epochs)
     try:
         args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip()) \
             or CPU["init_layers"]

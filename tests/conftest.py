@@ -65,7 +65,8 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
 # scheduling); files not listed keep their order after these. Only the order changes.
 LONGEST_FIRST = (
     "test_readme.py", "test_train_sst2.py", "test_benchmarks.py", "test_cli.py", "test_resume.py",
-    "test_benchmarks_e2e.py", "test_multiprocess.py", "test_step.py", "test_train.py",
+    "test_benchmarks_e2e.py", "test_families_cli.py", "test_position_tasks_cli.py",
+    "test_multiprocess.py", "test_step.py", "test_train.py",
     "test_chunks.py", "test_modeling.py", "test_teacher_store.py", "test_plan.py",
     "test_teacher_cache.py", "test_precompile.py", "test_launch.py", "test_optim.py",
     "test_gcs_workdir.py", "test_gcs_pipeline.py", "test_checkpoints.py",

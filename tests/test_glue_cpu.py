@@ -82,6 +82,9 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     (["--tasks", "mrpc", "--lr", "teachr=1e-4"], "stage 'teachr' is not one of teacher,"),
     (["--tasks", "mrpc", "--lr", "teacher=fast"], "'fast' is not a number"),
     (["--tasks", "mrpc", "--lr", "teacher=0"], "must be > 0"),
+    (["--tasks", "mrpc", "--epochs", "teacher=2"], "stage 'teacher' is not one of inter,"),
+    (["--tasks", "mrpc", "--epochs", "pred=0"], "the epoch count must be > 0"),
+    (["--tasks", "mrpc", "--epochs", "pred=two"], "'two' is not a number (e.g. --epochs inter=4"),
     (["--tasks", "mrpc", "--init_layers", "2,four,6"], "expected comma-separated layer numbers"),
     (["--tasks", "mrpc", "--init_layers", "2,4,7"], "layer 7 is not a teacher layer"),
     (["--tasks", "mrpc", "--layer_map", "1:1,2:2,4:6"], "names student layer 4"),
@@ -234,6 +237,16 @@ def test_recipe_defaults_and_flags_reach_every_stage(glue_bench, monkeypatch, tm
     assert c["teacher"].optim.learning_rate == 2e-5          # --lr wins over the task default
     assert tuple(c["kd"].student.teacher_layers) == (1, 2, 3)
     assert c["inter"].objective.layer_map == "1:1,2:2,3:6"
+
+
+def test_epochs_flag_sets_single_student_stages(glue_bench, monkeypatch, tmp_path, glue_dir):
+    """--epochs inter=3,kd=0.5: those stages' epochs; the others keep the budget's (MRPC: 4)."""
+    args, c = _stage_configs(glue_bench, monkeypatch, tmp_path, glue_dir,
+                             "--epochs", "inter=3, kd=0.5")
+    assert args.epochs == {"inter": 3.0, "kd": 0.5}
+    assert (c["inter"].train.num_epochs, c["kd"].train.num_epochs) == (3.0, 0.5)
+    assert c["pred"].train.num_epochs == c["pkd"].train.num_epochs == c["labels"].train.num_epochs
+    assert c["pred"].train.num_epochs == glue_bench.cpu_epochs(3668, 4.0) == 4.0
 
 
 def test_dtype_reaches_every_stage_and_the_recipe_line(glue_bench, monkeypatch, tmp_path,
