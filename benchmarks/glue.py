@@ -465,8 +465,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
         want -= {"tinybert+da", "majority"}
     ep = {**{s: se for s in STUDENT_STAGES}, **args.epochs}   # --epochs: per student stage
     print(f"[glue cpu] {_task_name(task)}: {n} train examples; teacher {te:.2f} epochs, student "
-          f"stages {se:.2f} epochs each" + "".join(f", {k} {v:.2f}" for k, v in args.epochs.items()),
-          flush=True)
+          f"stages {se:.2f} epochs each{_stage_epochs_text(args.epochs)}", flush=True)
     lr = {**CPU["lr"], **CPU["task_lr"].get(task, {}), **args.lr}
     res: Dict[str, dict] = {"recipe": {"teacher_epochs": te, "student_epochs": se, "lr": lr,
                                        "init_layers": list(args.init_layers),
@@ -617,8 +616,8 @@ def cpu_table(rows: List[dict], res_by_task: Dict[str, dict]) -> str:
             L.append("")
             L.append(f"Recipe for {task}: teacher {r['teacher_epochs']:.2f} epochs, student stages "
                      f"{r['student_epochs']:.2f} epochs each"
-                     + "".join(f", {k} {v:.2f}" for k, v in r.get("stage_epochs", {}).items())
-                     + f", learning rates {json.dumps(r['lr'])}"
+                     f"{_stage_epochs_text(r.get('stage_epochs', {}))}, learning rates "
+                     f"{json.dumps(r['lr'])}"
                      + (f", students initialised from teacher layers {r['init_layers']}, "
                         f"intermediate layer map {r['layer_map']}" if "init_layers" in r else "")
                      + f", compute dtype {r['dtype']}.")
@@ -852,6 +851,11 @@ def _parse_stage_values(ap, flag: str, text: str, stages, example: str,
         if not out[stage] > 0:
             ap.error(f"{flag} {item!r}: {what} must be > 0")
     return out
+
+
+def _stage_epochs_text(stage_epochs: Dict[str, float]) -> str:
+    """--epochs' stages for the recipe lines: ', inter 4.00, pred 1.00' ('' without any)."""
+    return "".join(f", {k} {v:.2f}" for k, v in stage_epochs.items())
 
 
 def _parse_lr(ap, text: str) -> Dict[str, float]:

@@ -246,7 +246,7 @@ def test_epochs_flag_sets_single_student_stages(glue_bench, monkeypatch, tmp_pat
     assert args.epochs == {"inter": 3.0, "kd": 0.5}
     assert (c["inter"].train.num_epochs, c["kd"].train.num_epochs) == (3.0, 0.5)
     assert c["pred"].train.num_epochs == c["pkd"].train.num_epochs == c["labels"].train.num_epochs
-    assert c["pred"].train.num_epochs == glue_bench.cpu_epochs(3668, 4.0) == 4.0
+    assert c["pred"].train.num_epochs == 4.0   # MRPC: the budget's cap of 4 student epochs
 
 
 def test_dtype_reaches_every_stage_and_the_recipe_line(glue_bench, monkeypatch, tmp_path,
