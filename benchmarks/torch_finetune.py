@@ -12,7 +12,8 @@ Ours: `configs/finetune_teacher.py:<task>` through `train_and_evaluate` (the CLI
 PyTorch: written here as HF's examples do it, independently of the package's data code:
 SQuAD run_qa's windows (the tokenizer's overflowing windows, `stride` = doc_stride, answers
 mapped through its offsets), its n-best span search (20, answers up to 30 tokens); CoNLL
-run_ner's first-piece labels (-100 elsewhere) and seqeval's entity F1. The official SQuAD
+run_ner's first-piece labels (-100 elsewhere), each batch padded to its longest row, and
+seqeval's entity F1 (SQuAD windows are padded to max_len, as run_qa pads them). The official SQuAD
 formulas score both sides (train/qa_metrics.py, tested against evaluate-v1.1/v2.0's rules).
 torch runs on the same cores (torch.set_num_threads(os.cpu_count())). Rows (--record):
 benchmarks/results/torch_finetune-<machine>.json, {task, side, seed, f1, wall_s, steps}.
@@ -105,8 +106,9 @@ def _ner_features(tok, sentences, labels, max_len):
     index = {t: i for i, t in enumerate(labels)}
     feats = []
     for s in sentences:
-        enc = tok(list(s.words), is_split_into_words=True, truncation=True, max_length=max_len,
-                  padding="max_length")
+        # Unpadded: run_ner pads each batch to its longest row (pad_to_max_length is off by
+        # default; DataCollatorForTokenClassification), as _batch does.
+        enc = tok(list(s.words), is_split_into_words=True, truncation=True, max_length=max_len)
         lab, prev = [], None
         for w in enc.word_ids():
             lab.append(index[s.tags[w]] if w is not None and w != prev else -100)
@@ -115,6 +117,18 @@ def _ner_features(tok, sentences, labels, max_len):
                       "token_type_ids": enc["token_type_ids"], "labels": lab,
                       "word_ids": enc.word_ids()})
     return feats
+
+
+def _batch(rows, keys, labels: bool):
+    """Tensors of `rows` padded to their longest (pads 0, labels -100): run_ner's collator.
+    SQuAD's windows all have max_len already (run_qa pads to max_seq_length by default)."""
+    import torch
+
+    n = max(len(r["input_ids"]) for r in rows)
+    fill = {"labels": -100}
+    names = list(keys) + (["labels"] if labels else [])
+    return {k: torch.tensor([list(r[k]) + [fill.get(k, 0)] * (n - len(r[k])) for r in rows])
+            for k in names}
 
 
 def _optimizer(model, lr, steps):
@@ -170,12 +184,10 @@ def torch_side(task, model_dir, data_dir, seed, epochs, lr, batch, train_n, eval
             if done == steps:
                 break
             rows = [tf[i] for i in order[s:s + batch]]
-            t = {k: torch.tensor([r[k] for r in rows]) for k in keys}
+            t = _batch(rows, keys, labels=not span)
             if span:
                 t["start_positions"] = torch.tensor([r["start"] for r in rows])
                 t["end_positions"] = torch.tensor([r["end"] for r in rows])
-            else:
-                t["labels"] = torch.tensor([r["labels"] for r in rows])
             loss = model(**t).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -187,10 +199,12 @@ def torch_side(task, model_dir, data_dir, seed, epochs, lr, batch, train_n, eval
     outs = []
     with torch.no_grad():
         for s in range(0, len(df), 64):
-            t = {k: torch.tensor([r[k] for r in df[s:s + 64]]) for k in keys}
-            o = model(**t)
-            outs.append(np.stack([o.start_logits.numpy(), o.end_logits.numpy()], 1) if span
-                        else o.logits.numpy())
+            o = model(**_batch(df[s:s + 64], keys, labels=False))
+            if span:
+                outs.append(np.stack([o.start_logits.numpy(), o.end_logits.numpy()], 1))
+            else:   # back to one row per sentence at max_len (the pads' logits are not read)
+                lg = o.logits.numpy()
+                outs.append(np.pad(lg, ((0, 0), (0, max_len - lg.shape[1]), (0, 0))))
     logits = np.concatenate(outs)
     if span:
         texts, diffs = _qa_predict(logits[:, 0], logits[:, 1], df, dev)

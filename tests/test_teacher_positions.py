@@ -48,3 +48,51 @@ def test_lookup_equals_the_forward_of_the_batch(head):
         else:
             np.testing.assert_allclose(got[r, :n], ref[r, :n], atol=1e-5)
             assert np.all(got[r, n:] == 0.0)
+
+
+def test_store_shares_one_pass_between_runs(tmp_path, monkeypatch, caplog):
+    """teacher/training.position_logits: later runs of the same teacher on the same rows (the KD
+    and PKD baselines after the prediction stage) read the first one's logits and [CLS] vectors
+    from the teacher store instead of a forward; another teacher or a damaged entry runs it."""
+    from types import SimpleNamespace
+
+    from jax_tinybert.teacher import store as teacher_store, training
+
+    cfg = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32, num_labels=2)
+    model = heads.MODELS["span"](cfg)
+    ds = _dataset([3, 9, 16, 5, 12])
+    data = SimpleNamespace(train_dataset=ds, head="span",
+                           train_batches=SimpleNamespace(buckets=(8, 16)))
+    store = teacher_store.Store(str(tmp_path / "store"))
+    forwards = []
+    real = positions.build
+    monkeypatch.setattr(positions, "build", lambda *a, **k: forwards.append(1) or real(*a, **k))
+
+    def run(seed, layers=(), where=store):
+        models = SimpleNamespace(teacher=model, teacher_params=random_params(model, seed),
+                                 teacher_config=cfg)
+        return training.position_logits(models, SimpleNamespace(teacher_cls_layers=layers), data,
+                                        4, where)
+
+    first = run(0)
+    assert first.cls is None   # the prediction stage reads no [CLS] vectors
+    again = run(0)
+    pkd = run(0, layers=(2, 1))
+    assert len(forwards) == 1
+    ids = np.arange(5)
+    np.testing.assert_array_equal(again.lookup(ids, 16)["teacher_logits"],
+                                  first.lookup(ids, 16)["teacher_logits"])
+    # PKD's [CLS] vectors from the store, in its order: those of a forward without a store
+    alone = run(0, layers=(2, 1), where=None)
+    assert len(forwards) == 2
+    np.testing.assert_array_equal(pkd.cls, alone.cls)
+    assert pkd.cls.shape == (5, 2, 16)
+    other = run(1)
+    assert len(forwards) == 3
+    assert not np.allclose(other.values, first.values)
+    for p in (tmp_path / "store" / "positions").iterdir():
+        p.write_bytes(b"not an npz")
+    with caplog.at_level("WARNING"):
+        np.testing.assert_array_equal(run(0).values, first.values)
+    assert len(forwards) == 4 and "damaged entry" in caplog.text

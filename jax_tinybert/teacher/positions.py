@@ -62,6 +62,17 @@ class PositionLogitsCache:
         self.values = self.values[:0]
 
 
+def with_cls_layers(cache: PositionLogitsCache, have: Sequence[int],
+                    want: Sequence[int]) -> PositionLogitsCache:
+    """`cache` (holding the [CLS] vectors of the layers `have`) with those of `want` only
+    (none when `want` is empty); a ValueError when one of `want` is not in `have`."""
+    missing = [t for t in want if t not in have]
+    if missing:
+        raise ValueError(f"teacher logits: no [CLS] vectors of layers {missing} (have {have})")
+    cls = cache.cls[:, [list(have).index(t) for t in want]] if want else None
+    return PositionLogitsCache(cache.values, cache.offsets, cache.head, cache.build_stats, cls)
+
+
 def lookup_spec(head: str, num_labels: int, batch, cls_layers: Sequence[int] = (),
                 width: int = 0) -> Dict[str, jax.ShapeDtypeStruct]:
     """What `lookup` adds to `batch`, as shapes (for compiling the step ahead); cls_layers and

@@ -22,17 +22,18 @@ outputs only by float rounding (masked positions get zero attention weight).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from jax_tinybert import fs
-from jax_tinybert.teacher import cache as tc
+from jax_tinybert.teacher import cache as tc, positions
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,63 @@ class Store:
                         "goes on without sharing them", self.root, e)
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+            return None
+
+
+    # Span and token tasks: the teacher's per-position logits (teacher/positions.py), one
+    # file per entry, `<root>/positions/<key>.npz`, so that the KD and PKD baselines and a
+    # prediction stage after them read the pass the first of them ran.
+    def positions_path(self, fingerprint: Mapping[str, Any]) -> str:
+        return os.path.join(self.root, "positions", key(fingerprint) + ".npz")
+
+    def find_positions(self, fingerprint: Mapping[str, Any], num_rows: int,
+                       cls_layers: Sequence[int] = ()
+                       ) -> Optional["positions.PositionLogitsCache"]:
+        """The stored logits of `fingerprint` (a dict of what they depend on) for a dataset of
+        `num_rows` rows, with the [CLS] vectors of the teacher layers `cls_layers` (hidden-state
+        indices; PKD's); None when absent or without those layers (a damaged file is logged and
+        removed)."""
+        path = self.positions_path(fingerprint)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with np.load(path) as z:
+                values, offsets, head = z["values"], z["offsets"], str(z["head"])
+                have = [int(t) for t in z["cls_layers"]]
+                cls = z["cls"] if have else None
+            if len(offsets) != num_rows + 1 or int(offsets[-1]) != len(values):
+                raise ValueError(f"{len(offsets) - 1} rows, {len(values)} positions")
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("teacher store: ignoring and removing the damaged entry %s: %s", path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+        if not set(cls_layers) <= set(have):
+            return None
+        log.info("teacher logits of %d train rows from the teacher store %s", num_rows, path)
+        got = positions.PositionLogitsCache(values, offsets, head, None, cls)
+        return positions.with_cls_layers(got, have, cls_layers)
+
+    def publish_positions(self, cache: "positions.PositionLogitsCache",
+                          fingerprint: Mapping[str, Any], cls_layers: Sequence[int] = ()
+                          ) -> Optional[str]:
+        """Write `cache` (with the [CLS] vectors of `cls_layers`) as the entry of `fingerprint`,
+        atomically; best effort, as publish."""
+        path = self.positions_path(fingerprint)
+        arrays = dict(values=cache.values, offsets=cache.offsets, head=np.asarray(cache.head),
+                      cls_layers=np.asarray(list(cls_layers), np.int64))
+        if cache.cls is not None:
+            arrays["cls"] = cache.cls
+        if sum(a.nbytes for a in arrays.values()) > MAX_ENTRY_BYTES:
+            return None
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with fs.atomic_open(path, "wb") as fh:
+                np.savez(fh, **arrays)
+            return path
+        except OSError as e:
+            log.warning("teacher store %s: could not store the teacher logits (%s); the run "
+                        "goes on without sharing them", self.root, e)
             return None
 
 

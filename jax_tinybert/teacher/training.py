@@ -18,7 +18,7 @@ from jax_tinybert import fs, speed
 from jax_tinybert.config.check import ConfigValueError
 from jax_tinybert.data import batching, packing, tokenize
 from jax_tinybert.parallel import coordination
-from jax_tinybert.teacher import cache as teacher_cache, split as split_lib
+from jax_tinybert.teacher import cache as teacher_cache, positions, split as split_lib
 from jax_tinybert.teacher.cache import META, MODEL_KEYS, TeacherCache
 from jax_tinybert.teacher.fingerprint import (_normalise, arrays_fingerprint, dataset_fingerprint,
                                               params_fingerprint)
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 # Examples are packed several to a row (data/packing.py) for a forward that reads one output per
 # example when that forwards at most this share of the bucketed pass's cost (`packing_plan`).
 PACK_GAIN = 0.9
+# A span / token task's stored teacher logits hold every layer's [CLS] vectors up to this size.
+CLS_BYTES = 256 * 2**20
 
 
 def token_cache_bytes(obj, seq_lens: np.ndarray, dtype: str = "float16") -> int:
@@ -50,6 +52,35 @@ def teacher_model_id(teacher) -> str:
     if dots is not None:
         out += f":dots={dots}"
     return out
+
+
+def position_logits(models, obj, data, batch_size: int = 64, store=None):
+    """A span or token task's teacher logits over its train rows (teacher/positions.py): from
+    `store` (a `teacher_store.Store`, or None) when a run of the same teacher on the same rows
+    put them there (the prediction, KD and PKD stages of one recipe), else one forward here,
+    then published to `store`. -> positions.PositionLogitsCache."""
+    layers = tuple(getattr(obj, "teacher_cls_layers", ()) or ())
+    fp = {"teacher": (getattr(models, "teacher_fingerprint", None)
+                      or params_fingerprint(models.teacher_params)),
+          "teacher_model": teacher_model_id(models.teacher),
+          "data": dataset_fingerprint(data.train_dataset), "head": data.head}
+    n = len(data.train_dataset.lengths)
+    if store is not None and jax.process_count() == 1:
+        got = store.find_positions(fp, n, layers)
+        if got is not None:
+            return got
+    # The store keeps every layer's [CLS] vector where that is small (8 MB on SQuAD v1.1's
+    # 7.6k windows), so that PKD beside the prediction and KD stages reads the same pass.
+    tc = models.teacher_config
+    every = layers
+    if store is not None and n * (tc.num_hidden_layers + 1) * tc.hidden_size * 4 <= CLS_BYTES:
+        every = tuple(range(tc.num_hidden_layers + 1))
+    cache = positions.build(models.teacher, models.teacher_params, data.train_dataset,
+                            data.train_batches.buckets, data.head, batch_size, every)
+    # Several processes compute every row each (positions.py): one writer is enough.
+    if store is not None and jax.process_index() == 0:
+        store.publish_positions(cache, fp, every)
+    return positions.with_cls_layers(cache, every, layers)
 
 
 def build_for_training(models, obj, data, workdir: str, mesh=None, batch_size: int = 64,

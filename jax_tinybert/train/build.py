@@ -475,9 +475,8 @@ def build_run(config, workdir: str) -> Run:
 
         def builder(beside: bool = False):
             if data.head != "sequence":   # span / token logits: one pass, in memory
-                return positions.build(models.teacher, models.teacher_params, data.train_dataset,
-                                       data.train_batches.buckets, data.head,
-                                       config.train.eval_batch_size, obj.teacher_cls_layers)
+                return teacher_training.position_logits(
+                    models, obj, data, config.train.eval_batch_size, teacher_store.from_env())
             # Several processes split one pass before the steps (a step may need any host's rows).
             if not (beside and config.teacher.cache_build == "beside") or (
                     jax.process_count() > 1 and config.teacher.cache_split != "never"):
