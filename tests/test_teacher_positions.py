@@ -57,6 +57,7 @@ def test_store_shares_one_pass_between_runs(tmp_path, monkeypatch, caplog):
     from types import SimpleNamespace
 
     from jax_tinybert.teacher import store as teacher_store, training
+    from test_teacher_cache import _TOKENIZER_DIR
 
     cfg = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=32, max_position_embeddings=32, num_labels=2)
@@ -71,7 +72,7 @@ def test_store_shares_one_pass_between_runs(tmp_path, monkeypatch, caplog):
 
     def run(seed, layers=(), where=store):
         models = SimpleNamespace(teacher=model, teacher_params=random_params(model, seed),
-                                 teacher_config=cfg)
+                                 teacher_config=cfg, tokenizer_dir=_TOKENIZER_DIR())
         return training.position_logits(models, SimpleNamespace(teacher_cls_layers=layers), data,
                                         4, where)
 

@@ -164,12 +164,12 @@ class Store:
                 shutil.rmtree(tmp, ignore_errors=True)
             return None
 
-
     # Span and token tasks: the teacher's per-position logits (teacher/positions.py), one
     # file per entry, `<root>/positions/<key>.npz`, so that the KD and PKD baselines and a
     # prediction stage after them read the pass the first of them ran.
     def positions_path(self, fingerprint: Mapping[str, Any]) -> str:
-        return os.path.join(self.root, "positions", key(fingerprint) + ".npz")
+        """The entry file of a fingerprint (NOT_SHARED fields ignored, as for entry_path)."""
+        return os.path.join(self.root, "positions", key(share_fingerprint(fingerprint)) + ".npz")
 
     def find_positions(self, fingerprint: Mapping[str, Any], num_rows: int,
                        cls_layers: Sequence[int] = ()

@@ -60,10 +60,9 @@ def position_logits(models, obj, data, batch_size: int = 64, store=None):
     put them there (the prediction, KD and PKD stages of one recipe), else one forward here,
     then published to `store`. -> positions.PositionLogitsCache."""
     layers = tuple(getattr(obj, "teacher_cls_layers", ()) or ())
-    fp = {"teacher": (getattr(models, "teacher_fingerprint", None)
-                      or params_fingerprint(models.teacher_params)),
-          "teacher_model": teacher_model_id(models.teacher),
-          "data": dataset_fingerprint(data.train_dataset), "head": data.head}
+    # The sequence tasks' cache fingerprint (teacher bytes, module, config, tokenizer, rows),
+    # less the [CLS] layers (all are stored where they fit), plus the head.
+    fp = dict(_training_fingerprint(models, obj, data, None), layers=[], head=data.head)
     n = len(data.train_dataset.lengths)
     if store is not None and jax.process_count() == 1:
         got = store.find_positions(fp, n, layers)
