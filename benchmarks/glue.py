@@ -50,8 +50,8 @@ task), W/stages.json the per-stage summaries.
 
     .venv/bin/python benchmarks/glue.py --budget cpu --tasks sst2 --workdir /tmp/glue_cpu
 
-`--budget cpu --tasks squad11|squad20|conll2003 [--data_dir DIR]`: the same rows (but tinybert+da
-and majority) on SQuAD v1.1 / v2.0 or CoNLL-2003 NER, DIR holding train.json + dev.json or
+`--budget cpu --tasks squad11|squad20|conll2003 [--data_dir DIR]`: the same rows (but tinybert+da;
+majority only on v2.0: the null answer everywhere) on SQuAD v1.1 / v2.0 or CoNLL-2003 NER, DIR holding train.json + dev.json or
 train.txt + dev.txt (default ../shared/data/squad/v1.1, squad/v2.0, conll2003); dev = the
 official F1 (SQuAD v1.1 f1, v2.0 best_f1, in percent; CoNLL entity F1 in [0, 1]).
 
@@ -337,7 +337,8 @@ CPU_OPTIONAL_ROWS = tuple(MINILM_ROWS)   # run when --rows names them
 # at 5e-5 left the students undertrained (TinyBERT 72.8% of the teacher, labels-only 28.5%); two at
 # 1e-4 took TinyBERT to 88.8%, its prediction stage flat after the first (docs/tasks.md). About
 # 2.5 h per SQuAD task on 2 cores. No DA rows (augmented contexts would need their answers
-# re-found) and no majority row (SQuAD's is the null answer everywhere, CoNLL's an F1 of 0).
+# re-found). The majority row on v2.0 only: the null answer everywhere, which scores the share of
+# unanswerable dev questions (0 on v1.1, as CoNLL's all-O F1).
 # CoNLL: 14k sentences of ~35 pieces, 3 teacher and 2 student epochs (~42k / 28k rows a stage).
 POSITION_TASKS = {"squad11": dict(data="squad/v1.1", teacher_epochs=2.0, student_epochs=2.0),
                   "squad20": dict(data="squad/v2.0", teacher_epochs=2.0, student_epochs=2.0),
@@ -462,7 +463,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
         se = args.student_max_epochs or pos["student_epochs"]
     want = set(args.rows.split(",")) if args.rows else set(CPU_ROWS)
     if pos:
-        want -= {"tinybert+da", "majority"}
+        want -= {"tinybert+da"}
     ep = {**{s: se for s in STUDENT_STAGES}, **args.epochs}   # --epochs: per student stage
     print(f"[glue cpu] {_task_name(task)}: {n} train examples; teacher {te:.2f} epochs, student "
           f"stages {se:.2f} epochs each{_stage_epochs_text(args.epochs)}", flush=True)
@@ -556,9 +557,10 @@ def cpu_rows(args, task: str, res: Dict[str, dict]) -> List[dict]:
                      "recipe": res.get("recipe"),
                      "stages": {x: {"steps": res[x]["steps"], "wall_s": round(res[x]["wall_s"], 1)}
                                 for x in st}})
-    if task not in POSITION_TASKS:
+    major = majority_baseline(args, task)
+    if major is not None:
         rows.append({"task": _task_name(task), "model": "majority",
-                     "dev": majority_baseline(args, task), "metric": _main_metric(task),
+                     "dev": major, "metric": _main_metric(task),
                      "export": None, "params": 0, "wall_s": 0.0})
     return rows
 
@@ -691,13 +693,23 @@ def measure_inference(tdir: str, task: str, b: dict, cache: dict) -> dict:
 
 
 def majority_baseline(args, task: str) -> Optional[float]:
-    """Main metric of predicting the most frequent dev label for every example (full dev set;
-    classification tasks only): the score a collapsed student gets."""
+    """Main metric of predicting the most frequent dev label for every example (full dev set):
+    the score a collapsed student gets. SQuAD v2.0: the null answer for every question; None
+    for SQuAD v1.1 and CoNLL, where that scores 0."""
     import numpy as np
 
     from jax_tinybert.train import metrics
-    from jax_tinybert.data import glue
+    from jax_tinybert.data import glue, position_tasks
 
+    if task in POSITION_TASKS:
+        spec = position_tasks.get(task)
+        if spec.version != "2.0":
+            return None
+        from jax_tinybert.train import qa_metrics
+
+        dev = position_tasks.read(spec, "dev", data_dir=_data_dir(args, task))
+        # No answer anywhere (null-score differences +inf): the official best F1, the main metric.
+        return float(qa_metrics.squad_v2({}, {}, dev)["best_f1"])
     spec = glue.get_task(task)
     if spec.labels is None:
         return None

@@ -57,6 +57,30 @@ def test_rows_schema_and_table(glue_bench, glue_dir, tmp_path):
     json.dumps(rows)  # serialisable as results.json
 
 
+@pytest.mark.parametrize("task,folder", [("squad20", "squad/v2.0"), ("squad11", "squad/v1.1"),
+                                         ("conll2003", "conll2003")])
+def test_position_rows_majority_is_the_null_answer_on_v2_only(glue_bench, shared_dir, task,
+                                                              folder):
+    """SQuAD v2.0's majority row is the null answer everywhere: the official best F1 of no
+    answers is the share of unanswerable dev questions (counted here from the JSON). SQuAD v1.1
+    and CoNLL have none (it scores 0)."""
+    import types
+    data_dir = shared_dir / "data" / folder
+    A = types.SimpleNamespace(data_dir=str(data_dir), glue_dir="")
+    res = {"teacher": _summary(50.0, 10, 5.0, "t"), "labels": _summary(40.0, 10, 4.0, "l")}
+    rows = glue_bench.cpu_rows(A, task, res)
+    if task != "squad20":
+        assert [r["model"] for r in rows] == ["teacher", "labels-only"]
+        return
+    assert [r["model"] for r in rows] == ["teacher", "labels-only", "majority"]
+    qas = [q for a in json.loads((data_dir / "dev.json").read_text())["data"]
+           for p in a["paragraphs"] for q in p["qas"]]
+    share = 100.0 * sum(bool(q.get("is_impossible")) for q in qas) / len(qas)
+    assert 30.0 < share < 70.0
+    assert rows[-1]["dev"] == pytest.approx(share, abs=1e-9)
+    assert rows[-1]["metric"] == rows[0]["metric"]
+
+
 def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     import argparse
     import types
