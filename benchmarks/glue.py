@@ -52,8 +52,9 @@ task), W/stages.json the per-stage summaries.
 
 `--budget cpu --tasks squad11|squad20|conll2003 [--data_dir DIR]`: the same rows (but tinybert+da;
 majority only on v2.0: the null answer everywhere) on SQuAD v1.1 / v2.0 or CoNLL-2003 NER, DIR
-holding train.json + dev.json or train.txt + dev.txt (default ../shared/data/squad/v1.1, squad/v2.0, conll2003); dev = the
-official F1 (SQuAD v1.1 f1, v2.0 best_f1, in percent; CoNLL entity F1 in [0, 1]).
+holding train.json + dev.json or train.txt + dev.txt (default ../shared/data/squad/v1.1,
+squad/v2.0, conll2003); dev = the official F1 (SQuAD v1.1 f1, v2.0 best_f1, in percent; CoNLL
+entity F1 in [0, 1]).
 
 `--budget small` is bounded by fixed per-stage costs (model load, XLA compiles, checkpoint,
 export: ~8 s a stage on 2 idle-ish cores), not by its 3 steps: 16 stages for the three tasks
