@@ -35,7 +35,8 @@ Writes a markdown table to stdout and to --out (and results.json in the workdir)
 `--budget cpu --tasks TASK[,TASK...] [--glue_dir DIR] --workdir W`: the FULL train and dev sets of
 any of the nine GLUE tasks (DIR/<TaskFolder>/{train,dev}.tsv), sized for about an hour per task on
 2 CPU cores: every stage sees ~67k examples (one SST-2 epoch; small tasks up to 5 teacher / 4
-student epochs, large tasks a fraction of an epoch). Rows: teacher (packaged MiniLM-L6 fine-tuned),
+student epochs, large tasks a fraction of an epoch). Rows: teacher (packaged MiniLM-L6 fine-tuned;
+--teacher another, whose size scales the time),
 tinybert (intermediate + prediction distillation), tinybert+da (each stage one epoch of the
 augmented set, N augmented sentences per text column sized so that epoch is about the no-DA
 stage's examples, i.e. about equal compute; embedding-neighbour DA from the teacher's word
@@ -44,7 +45,8 @@ embeddings, or MLM DA with --mlm, e.g. the export of configs/mlm_head.py), pkd, 
 the teacher's last layer instead of TinyBERT's losses, then the same prediction stage) and
 minilmv2-6heads (the same student split into 6 heads, which only MiniLMv2 can distil). Every
 student is 3 layers, d 384, initialised from the fine-tuned teacher's layers 2, 4, 6 (--init_layers;
-the intermediate stage maps student layer m to teacher layer 2m). W/results.json is
+the intermediate stage maps student layer m to teacher layer 2m); of another teacher, 3 of its
+layers at its width, by default those the uniform map pairs them with. W/results.json is
 a list of {"task", "model", "dev", "metric", "export", "params", "wall_s"} (rewritten after each
 task), W/stages.json the per-stage summaries.
 
@@ -71,7 +73,7 @@ import os
 import platform
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(_HERE)
@@ -302,7 +304,8 @@ CPU = dict(
     # layers the uniform map asks them to imitate: with layers 1-3 the intermediate stage has to
     # move every layer far from its init and TinyBERT ended at 0.688 STS-B corr against 0.816
     # from (2, 4, 6) (benchmarks/RESULTS.md#the-recipes-accuracy-choices). Not general
-    # distillation: 400 steps of it gave a student no better than this init, at a cost.
+    # distillation: 400 steps of it gave a student no better than this init, at a cost. Another
+    # teacher's students start from the layers the uniform map gives (default_init_layers).
     init_layers=(2, 4, 6),
     lr=dict(teacher=5e-5, inter=5e-5, pred=5e-5, kd=5e-5, pkd=5e-5, labels=5e-5),
     # Per-task overrides of `lr` (measured: MRPC's teacher 0.836 at 1e-4 against 0.827 at 5e-5
@@ -324,6 +327,15 @@ CPU = dict(
     # explicit pairs, --layer_map) and the teacher layers the students start from (--init_layers).
     inter_layer_map="uniform")
 CPU_TEACHER_LAYERS = 6   # the packaged all-MiniLM-L6-v2
+CPU_STUDENT_LAYERS = 3
+
+
+def default_init_layers(teacher_layers: int) -> Tuple[int, ...]:
+    """The teacher layers (1-based) a 3-layer student starts from: those the uniform map asks
+    it to imitate (2, 4, 6 of a 6-layer teacher; 4, 8, 12 of BERT-base)."""
+    from jax_tinybert.distill import layer_maps
+
+    return tuple(t for _, t in layer_maps.uniform(CPU_STUDENT_LAYERS, teacher_layers).attention)
 STUDENT_STAGES = tuple(s for s in CPU["lr"] if s != "teacher")   # --epochs' stages
 # The intermediate stage with MiniLM's objectives instead of TinyBERT's (then the same prediction
 # stage): row -> (objective, the student's heads; 0 = the teacher's 12). The 6-head student
@@ -469,7 +481,8 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
     print(f"[glue cpu] {_task_name(task)}: {n} train examples; teacher {te:.2f} epochs, student "
           f"stages {se:.2f} epochs each{_stage_epochs_text(args.epochs)}", flush=True)
     lr = {**CPU["lr"], **CPU["task_lr"].get(task, {}), **args.lr}
-    res: Dict[str, dict] = {"recipe": {"teacher_epochs": te, "student_epochs": se, "lr": lr,
+    res: Dict[str, dict] = {"recipe": {"teacher": args.teacher,
+                                       "teacher_epochs": te, "student_epochs": se, "lr": lr,
                                        "init_layers": list(args.init_layers),
                                        "layer_map": args.layer_map,
                                        "dtype": args.dtype}}
@@ -477,7 +490,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
         res["recipe"]["stage_epochs"] = dict(args.epochs)
     c = _load_config("finetune_teacher", task)
     res["teacher"] = _run(_set(c, {**_cpu_common(args, task, te, lr["teacher"]),
-                                   "teacher.path": "packaged"}), os.path.join(tdir, "teacher"))
+                                   "teacher.path": args.teacher}), os.path.join(tdir, "teacher"))
     init = _student_init(args, teacher_export)
 
     def tinybert(suffix: str, train_file: str = "", objective: str = "", heads: int = 0):
@@ -596,10 +609,10 @@ def record(args, rows: List[dict]) -> str:
                           record_rows(rows, args.dtype), RECORD_KEY)
 
 
-def cpu_table(rows: List[dict], res_by_task: Dict[str, dict]) -> str:
-    L = ["GLUE dev (full dev sets), budget `cpu`: teacher = packaged all-MiniLM-L6-v2 fine-tuned; "
-         "every student = 3 layers, d 384 (init: the fine-tuned teacher's layers given in the "
-         "recipe line below). "
+def cpu_table(rows: List[dict], res_by_task: Dict[str, dict], teacher: str = "packaged") -> str:
+    L = [f"GLUE dev (full dev sets), budget `cpu`: teacher = {_teacher_name(teacher)} fine-tuned; "
+         "every student = 3 of its layers, its width (init: the fine-tuned teacher's layers given "
+         "in the recipe line below). "
          "dev = the exported model (best of the per-epoch evaluations). "
          "% = of the teacher's dev score.", "",
          "| task | model | dev | metric | % of teacher | params | wall s | steps per stage |",
@@ -651,7 +664,7 @@ def main_cpu(args, tasks: List[str]) -> str:
         if args.record:
             print(f"recorded {os.path.relpath(record(args, cpu_rows_of(rows, task)))}", flush=True)
         _write_json(os.path.join(args.workdir, "stages.json"), res_by_task)
-    table = cpu_table(rows, res_by_task)
+    table = cpu_table(rows, res_by_task, args.teacher)
     table += f"\n\nTotal wall time of this invocation: {time.time() - t0:.0f} s."
     print("\n" + table, flush=True)
     if args.out:
@@ -848,6 +861,25 @@ def _model_folder_problem(path: str) -> str:
     return ""
 
 
+def _teacher_layers(ap, args) -> int:
+    """The teacher's depth: the packaged MiniLM's 6, else its config.json's num_hidden_layers (a
+    hub name is downloaded now, as its first stage would)."""
+    if args.teacher == "packaged":
+        return CPU_TEACHER_LAYERS
+    from jax_tinybert.errors import UserError, one_line
+    from jax_tinybert.model import hf
+
+    try:
+        with open(os.path.join(hf.resolve_path(args.teacher), "config.json")) as fh:
+            layers = json.load(fh).get("num_hidden_layers")
+    except (UserError, OSError, ValueError) as e:
+        ap.error(f"--teacher {args.teacher}: {one_line(e)}")
+    if not isinstance(layers, int) or layers < 1:
+        ap.error(f"--teacher {args.teacher}: config.json has no num_hidden_layers: not a BERT "
+                 "config")
+    return layers
+
+
 def _parse_stage_values(ap, flag: str, text: str, stages, example: str,
                         what: str) -> Dict[str, float]:
     """'stage=value,...' -> {stage: value}; a stage not in `stages`, a value that is not a
@@ -898,7 +930,8 @@ def main(argv=None) -> str:
     ap.add_argument("--teacher", default="packaged",
                     help="the pre-trained model fine-tuned per task and distilled from: 'packaged' "
                     "(all-MiniLM-L6-v2, installed with the package), a Hugging Face folder, or a hub "
-                    "name such as bert-base-uncased (online); budgets small, hour and full")
+                    "name such as bert-base-uncased (online); budget cpu is sized for the packaged "
+                    "one (a 12-layer d-768 teacher takes ~10x its time)")
     ap.add_argument("--student", default=STUDENT,
                     help="the general-distillation student: a variant of "
                     "configs/general_distill.py (tinybert4, tinybert6, small, tiny); budgets small, "
@@ -943,17 +976,20 @@ def main(argv=None) -> str:
                     "budget's)")
     ap.add_argument("--init_layers", default="",
                     help="budget cpu: the fine-tuned teacher's layers (1-based) every student "
-                    f"starts from, e.g. 2,4,6 (default {','.join(map(str, CPU['init_layers']))})")
+                    "starts from, e.g. 2,4,6 (default: those the uniform map pairs with 3 student "
+                    f"layers, {','.join(map(str, CPU['init_layers']))} of the packaged MiniLM)")
     ap.add_argument("--layer_map", default="",
                     help="budget cpu: the intermediate stage's layer map, one of uniform, top, "
                     f"bottom, ... or explicit pairs (default {CPU['inter_layer_map']})")
     args = ap.parse_args(argv)
     if args.record and args.budget != "cpu":
         ap.error("--record: only the full-data recipe (--budget cpu) is kept in benchmarks/results")
-    if args.budget == "cpu" and (args.teacher != "packaged" or args.student != STUDENT):
-        ap.error("--teacher / --student: budget cpu is sized for the packaged MiniLM (its students "
-                 "start from that teacher's layers 2, 4, 6); use them with --budget small, hour "
-                 "or full")
+    if args.budget == "cpu" and args.student != STUDENT:
+        ap.error("--student: budget cpu starts its students from the fine-tuned teacher's layers "
+                 "(--init_layers); use --student with --budget small, hour or full")
+    if args.record and args.teacher != "packaged":
+        ap.error("--record: benchmarks/results keeps the packaged teacher's rows; run other "
+                 "teachers without --record (W/results.json has their rows)")
     try:
         _student_shape(args.student)
     except ValueError as e:
@@ -965,7 +1001,8 @@ def main(argv=None) -> str:
     from jax_tinybert.config.check import looks_local
 
     # Model folders are checked now, not stages later (the masked LM is first read after four
-    # stages); a hub name when a stage loads it (a one-line error too, below).
+    # stages); a teacher's hub name when its layers are read (_teacher_layers), the masked LM's
+    # when the DA stage loads it (a one-line error too, `cli`).
     for flag, value, other in (("--teacher", args.teacher, "'packaged'"),
                                ("--mlm", args.mlm, "'random-tiny'")):
         if value and value not in ("packaged", "random-tiny") and looks_local(value):
@@ -979,31 +1016,32 @@ def main(argv=None) -> str:
 
         if not fs.is_remote(args.teacher):   # the stages run with their own working folders
             args.teacher = os.path.abspath(os.path.expanduser(args.teacher))
-        with fs.open_file(fs.join(args.teacher, "config.json")) as fh:
-            layers = json.load(fh).get("num_hidden_layers", 0)
-        # The PKD row's student is made of the teacher layers configs/pkd.py names.
-        need = max(_load_config("pkd", "sst2").student.teacher_layers)
-        if layers < need:
-            ap.error(f"--teacher {args.teacher}: {layers} layers; the PKD row's student takes the "
-                     f"teacher's layers 1-{need}: pass a teacher of at least {need} layers")
+    args.teacher_layers = _teacher_layers(ap, args)
+    # The small budgets' PKD student is made of the teacher layers configs/pkd.py names.
+    need = max(_load_config("pkd", "sst2").student.teacher_layers)
+    if args.budget != "cpu" and args.teacher_layers < need:
+        ap.error(f"--teacher {args.teacher}: {args.teacher_layers} layers; the PKD row's student "
+                 f"takes the teacher's layers 1-{need}: pass a teacher of at least {need} layers")
     args.lr = _parse_lr(ap, args.lr)
     args.epochs = _parse_epochs(ap, args.epochs)
+    from jax_tinybert.distill import layer_maps
+
     try:
         args.init_layers = tuple(int(x) for x in args.init_layers.split(",") if x.strip()) \
-            or CPU["init_layers"]
+            or default_init_layers(args.teacher_layers)
     except ValueError:
         ap.error(f"--init_layers {args.init_layers!r}: expected comma-separated layer numbers, "
                  "e.g. 2,4,6")
-    # Checked now, not an hour in when the intermediate stage starts. The cpu budget's teacher is
-    # the packaged MiniLM: 6 layers.
-    bad = [x for x in args.init_layers if not 1 <= x <= CPU_TEACHER_LAYERS]
+    except layer_maps.LayerMapError as e:
+        ap.error(f"--teacher {args.teacher}: {e}")
+    # Checked now, not an hour in when the intermediate stage starts.
+    bad = [x for x in args.init_layers if not 1 <= x <= args.teacher_layers]
     if bad:
-        ap.error(f"--init_layers: layer {bad[0]} is not a teacher layer (the packaged MiniLM has "
-                 f"layers 1..{CPU_TEACHER_LAYERS})")
+        ap.error(f"--init_layers: layer {bad[0]} is not a teacher layer (the teacher, "
+                 f"{_teacher_name(args.teacher, short=True)}, has layers 1..{args.teacher_layers})")
     args.layer_map = args.layer_map or CPU["inter_layer_map"]
-    from jax_tinybert.distill import layer_maps
     try:
-        layer_maps.from_spec(args.layer_map, len(args.init_layers), CPU_TEACHER_LAYERS)
+        layer_maps.from_spec(args.layer_map, len(args.init_layers), args.teacher_layers)
     except layer_maps.LayerMapError as e:
         ap.error(f"--layer_map: {e}")
     args.glue_dir = os.path.abspath(args.glue_dir)

@@ -66,16 +66,23 @@ def test_inference_smoke(tmp_path):
 
 def test_glue_cpu_budget_takes_the_position_tasks(tmp_path):
     """--budget cpu --tasks conll2003: the teacher and labels-only rows wired (one step each on
-    40 sentences), results.json rows with the entity F1 as the metric and no majority row."""
+    40 sentences), results.json rows with the entity F1 as the metric and no majority row. The
+    teacher is a tiny random 3-layer BERT: its students start from its layers 1, 2, 3."""
     wd = tmp_path / "wd"
+    teacher = tiny_run.tiny_teacher(tmp_path / "tiny-teacher", layers=3, max_positions=128)
     args = [str(REPO / "benchmarks" / "glue.py"), "--budget", "cpu", "--tasks", "conll2003",
             "--rows", "teacher,labels-only", "--max_steps", "1", "--train_subset", "40",
-            "--eval_subset", "8", "--workdir", str(wd)]
+            "--eval_subset", "8", "--workdir", str(wd), "--teacher", teacher]
     stdout = _run(args, tmp_path, timeout=600)
     assert "| conll2003 | labels-only |" in stdout, stdout[-3000:]
+    assert "teacher = tiny-teacher fine-tuned" in stdout, stdout[-3000:]
     rows = json.loads((wd / "results.json").read_text())
     assert [r["model"] for r in rows] == ["teacher", "labels-only"], rows
     assert all(r["metric"] == "f1" and 0.0 <= r["dev"] <= 1.0 for r in rows), rows
+    # The student is 3 layers of the teacher's width: here the whole 3-layer teacher.
+    assert rows[1]["params"] == rows[0]["params"], rows
+    stages = json.loads((wd / "stages.json").read_text())["conll2003"]
+    assert stages["recipe"]["init_layers"] == [1, 2, 3], stages["recipe"]
 
 
 def test_torch_finetune_reference_runs_both_sides(tmp_path):

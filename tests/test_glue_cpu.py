@@ -112,8 +112,9 @@ def test_lr_override_reaches_the_rows(glue_bench, glue_dir):
     (["--tasks", "mrpc", "--init_layers", "2,four,6"], "expected comma-separated layer numbers"),
     (["--tasks", "mrpc", "--init_layers", "2,4,7"], "layer 7 is not a teacher layer"),
     (["--tasks", "mrpc", "--layer_map", "1:1,2:2,4:6"], "names student layer 4"),
-    (["--tasks", "mrpc", "--teacher", "bert-base-uncased"], "budget cpu is sized for the packaged"),
-    (["--tasks", "mrpc", "--student", "tinybert4"], "use them with --budget small, hour or full"),
+    (["--tasks", "mrpc", "--student", "tinybert4"], "use --student with --budget small, hour or"),
+    (["--tasks", "mrpc", "--record", "--teacher", "./t"], "--record: benchmarks/results keeps the "
+     "packaged teacher's rows"),
     (["--budget", "small", "--tasks", "mrpc", "--teacher", "./no_such_dir"],
      "--teacher ./no_such_dir: no model folder there; pass 'packaged', a model folder "
      "(config.json, model.safetensors and the tokenizer"),
@@ -204,9 +205,9 @@ def test_a_teacher_too_shallow_for_pkd_is_refused_before_any_stage(tmp_path, glu
     assert not (tmp_path / "w" / "general").exists()
 
 
-def test_a_teacher_a_stage_cannot_load_is_one_line(tmp_path, glue_dir):
-    """A hub name that cannot be loaded (offline here) stops the first stage that loads it with
-    the command line's one-line error and status 2, not a traceback."""
+def test_a_teacher_that_cannot_be_loaded_is_refused_before_any_stage(tmp_path, glue_dir):
+    """A hub name that cannot be loaded (offline here) is refused when its layers are read,
+    before any stage: one line and status 2, not a traceback."""
     p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"), "--budget",
                         "small", "--tasks", "sst2", "--glue_dir", str(glue_dir),
                         "--workdir", str(tmp_path / "w"), "--teacher", "no-such-org/no-such-model"],
@@ -214,10 +215,10 @@ def test_a_teacher_a_stage_cannot_load_is_one_line(tmp_path, glue_dir):
                        env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"})
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert lines[-1].startswith("error: config.teacher.path='no-such-org/no-such-model': no such "
-                                "folder"), lines[-1]
+    assert lines[-1].startswith("glue.py: error: --teacher no-such-org/no-such-model: "
+                                "'no-such-org/no-such-model': no such folder"), lines[-1]
     assert "not downloadable from the Hugging Face hub" in lines[-1]
-    assert not (tmp_path / "w" / "results.json").exists()
+    assert not (tmp_path / "w").exists()
 
 
 def test_da_sized_to_one_augmented_epoch_of_about_the_no_da_examples(glue_bench):
@@ -261,6 +262,27 @@ def test_recipe_defaults_and_flags_reach_every_stage(glue_bench, monkeypatch, tm
     assert c["teacher"].optim.learning_rate == 2e-5          # --lr wins over the task default
     assert tuple(c["kd"].student.teacher_layers) == (1, 2, 3)
     assert c["inter"].objective.layer_map == "1:1,2:2,3:6"
+
+
+def test_another_teacher_reaches_the_teacher_stage_and_sets_the_students_layers(
+        glue_bench, monkeypatch, tmp_path, glue_dir):
+    """--teacher DIR with budget cpu: the teacher stage fine-tunes DIR, and every student starts
+    from the 3 layers the uniform map pairs with its own: round(m N / 3), m = 1..3."""
+    assert [glue_bench.default_init_layers(n) for n in (3, 4, 6, 12, 24)] == \
+        [(1, 2, 3), (1, 3, 4), (2, 4, 6), (4, 8, 12), (8, 16, 24)]
+    teacher = tiny_run.tiny_teacher(tmp_path / "t12", layers=12)
+    args, c = _stage_configs(glue_bench, monkeypatch, tmp_path / "w", glue_dir,
+                             "--teacher", teacher)
+    assert c["teacher"].teacher.path == teacher and args.teacher_layers == 12
+    for s in ("inter", "pkd", "kd", "labels"):
+        assert tuple(c[s].student.teacher_layers) == (4, 8, 12), s
+    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "glue.py"), "--budget",
+                        "cpu", "--tasks", "mrpc", "--glue_dir", str(glue_dir), "--workdir",
+                        str(tmp_path / "w2"), "--teacher", teacher, "--init_layers", "4,8,13"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert p.returncode == 2 and "layer 13 is not a teacher layer (the teacher, t12, has layers " \
+        "1..12)" in p.stderr, p.stderr
 
 
 def test_epochs_flag_sets_single_student_stages(glue_bench, monkeypatch, tmp_path, glue_dir):

@@ -25,10 +25,10 @@ FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0 "
                           "--xla_llvm_disable_expensive_passes=true")
 
 
-def tiny_teacher(out_dir, layers: int = 2, num_labels: int = 0) -> str:
-    """A random `layers`-layer d-32 BERT with the packaged teacher's tokenizer (vocab 30522);
-    with `num_labels`, a random classifier head too (a task teacher: the prediction stages,
-    which evaluate on the dev set, need one)."""
+def tiny_teacher(out_dir, layers: int = 2, num_labels: int = 0, max_positions: int = 64) -> str:
+    """A random `layers`-layer d-32 BERT with the packaged teacher's tokenizer (vocab 30522) and
+    `max_positions` positions; with `num_labels`, a random classifier head too (a task teacher:
+    the prediction stages, which evaluate on the dev set, need one)."""
     out_dir = str(out_dir)
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -42,7 +42,7 @@ def tiny_teacher(out_dir, layers: int = 2, num_labels: int = 0) -> str:
     with open(os.path.join(tok, "config.json")) as fh:
         vocab = json.load(fh)["vocab_size"]
     cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=64,
+                     intermediate_size=64, max_position_embeddings=max_positions,
                      **({"num_labels": num_labels} if num_labels else {}))
     model = BertForSequenceClassification(cfg) if num_labels else BertModel(cfg)
     params = random_params(model, 0)
