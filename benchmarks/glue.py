@@ -931,7 +931,7 @@ def main(argv=None) -> str:
                     help="the pre-trained model fine-tuned per task and distilled from: 'packaged' "
                     "(all-MiniLM-L6-v2, installed with the package), a Hugging Face folder, or a hub "
                     "name such as bert-base-uncased (online); budget cpu is sized for the packaged "
-                    "one (a 12-layer d-768 teacher takes ~10x its time)")
+                    "one (a 12-layer d-768 teacher has ~8x its FLOPs a token)")
     ap.add_argument("--student", default=STUDENT,
                     help="the general-distillation student: a variant of "
                     "configs/general_distill.py (tinybert4, tinybert6, small, tiny); budgets small, "
