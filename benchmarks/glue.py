@@ -349,8 +349,8 @@ CPU_OPTIONAL_ROWS = tuple(MINILM_ROWS)   # run when --rows names them
 # (a row costs ~8 SST-2 rows), the teacher 2 epochs (run_qa's) and each student stage 2: one epoch
 # at 5e-5 left the students undertrained (TinyBERT 72.8% of the teacher, labels-only 28.5%); two at
 # 1e-4 took TinyBERT to 88.8%, its prediction stage flat after the first (docs/tasks.md). About
-# 2.5 h per SQuAD task on 2 cores. v2.0's teacher 5 epochs: its split has half v1.1's answerable
-# questions, and after 2 it was 2 points above the null answer (49.18; 5 gave 51.89). No DA
+# 2.5 h for SQuAD v1.1 on 2 cores, ~3.5 h for v2.0, whose teacher runs 5 epochs: its split has
+# half v1.1's answerable questions, and after 2 it was 2 points above the null answer. No DA
 # rows (augmented contexts would need their answers re-found). The majority row on v2.0 only:
 # the null answer everywhere, which scores the share of unanswerable dev questions (0 on v1.1,
 # as CoNLL's all-O F1).
