@@ -388,3 +388,23 @@ def test_position_da_row_augments_what_the_other_stages_read(glue_bench, monkeyp
         it = iter(back)   # the drawn sentences in order, each followed by its copy
         assert all(any(b.words == s.words for b in it) for s in drawn)
         assert all(b.tags in {s.tags for s in drawn} for b in back)
+
+
+def test_glue_da_augments_the_stages_subset(glue_bench, tmp_path, glue_dir):
+    """GLUE's DA file: the --train_subset rows (the same seeded draw as the stages'), each then at
+    most N copies with the sentence changed, the labels kept."""
+    import types
+
+    from jax_tinybert.data import glue
+    from jax_tinybert.data.tokenize import subset_indices
+
+    teacher = tiny_run.tiny_teacher(tmp_path / "teacher")
+    A = types.SimpleNamespace(glue_dir=str(glue_dir), train_subset=12, da_N=2, mlm="")
+    info = glue_bench.cpu_augment(A, "sst2", str(tmp_path / "sst2"), teacher, 12, 3.0)
+    back = glue.load_examples("sst2", "train", path=info["path"])
+    full = glue.load_examples("sst2", "train", glue_dir=str(glue_dir))
+    sub = [full[i] for i in subset_indices(len(full), 12, 0)]   # what the stages' loader takes
+    assert (info["rows_in"], info["rows_out"]) == (12, len(back))
+    it = iter(back)   # the subset in order, each row followed by its copies
+    assert all(any(b.text_a == s.text_a and b.label == s.label for b in it) for s in sub)
+    assert 12 < len(back) <= 36
