@@ -148,17 +148,16 @@ def _run(cfg, workdir: str) -> dict:
 def _write_subset_tsv(glue_dir: str, task: str, n: int, seed: int, out_path: str) -> str:
     """The training rows the un-augmented stages see (same seeded choice as build.subset),
     as a TSV, so that augmentation costs scale with the subset, not the whole train set."""
-    import numpy as np
-
     from jax_tinybert.data import glue
+    from jax_tinybert.data.tokenize import subset_indices
     from jax_tinybert.fs import atomic_open
 
     spec = glue.get_task(task)
     with open(glue.tsv_path(glue_dir, spec, "train"), encoding="utf-8-sig", newline="") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     header = [rows.pop(0)] if spec.has_header else []
-    if n and n < len(rows):
-        idx = np.sort(np.random.default_rng(seed).permutation(len(rows))[:n])
+    idx = subset_indices(len(rows), n, seed)
+    if idx is not None:
         rows = [rows[i] for i in idx]
     with atomic_open(out_path, "w", encoding="utf-8", newline="") as f:
         for r in header + rows:
@@ -431,7 +430,7 @@ def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int,
     from jax_tinybert.data import augment, glue, position_tasks, tokenize
     from jax_tinybert.model.modeling import BertForMaskedLM
 
-    pos = position_tasks.get(task) if task in POSITION_TASKS else None
+    pos = position_tasks.get(task)   # None for GLUE
     ext = os.path.splitext(pos.files["train"])[1] if pos else ".tsv"
     out = os.path.join(tdir, "data", "train_aug" + ext)
     info_path = out + ".json"
@@ -440,9 +439,6 @@ def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int,
             return json.load(fh)
     if pos:
         src = position_tasks.file_path(pos, "train", _data_dir(args, task))
-        total = len(position_tasks.read(pos, "train", data_dir=_data_dir(args, task)))
-        # The stages' own draw (data.train_subset with train.seed 0).
-        subset = tokenize.subset_indices(total, args.train_subset, 0)
         cols, max_len = 1, (64 if pos.head == "span" else 128)   # run_qa's question cap
     else:
         spec = glue.get_task(task)
@@ -469,9 +465,9 @@ def cpu_augment(args, task: str, tdir: str, teacher_export: str, n_train: int,
     if pos is None:
         stats = aug.augment_tsv(spec, src, out)
     elif pos.head == "span":
-        stats = aug.augment_squad(src, out, subset=subset)
+        stats = aug.augment_squad(src, out, subset=args.train_subset)   # the stages' train.seed 0
     else:
-        stats = aug.augment_conll(src, out, subset=subset)
+        stats = aug.augment_conll(src, out, subset=args.train_subset)
     info = {"path": out, **stats, "wall_s": time.time() - t0, "source": source, "N": N,
             "K": CPU["da_K"], "p": CPU["da_p"]}
     print(f"[augment] {task}: {stats['rows_in']} -> {stats['rows_out']} rows in "

@@ -52,7 +52,7 @@ import numpy as np
 from jax_tinybert import fs
 from jax_tinybert.model import hf
 from jax_tinybert.data import conll, glue, position_tasks, squad, words as word_schemes
-from jax_tinybert.data.tokenize import load_tokenizer, special_template
+from jax_tinybert.data.tokenize import load_tokenizer, special_template, subset_indices
 from jax_tinybert.errors import PathError, tool_exit
 from jax_tinybert.model.modeling import BertForMaskedLM, BertModel, _MLMHead
 
@@ -391,13 +391,13 @@ class Augmenter:
         return {"rows_in": len(rows), "rows_out": n_out}
 
 
-    def augment_squad(self, in_path: str, out_path: str,
-                      subset: Optional[np.ndarray] = None) -> Dict:
+    def augment_squad(self, in_path: str, out_path: str, subset: int = 0,
+                      subset_seed: int = 0) -> Dict:
         """A SQuAD JSON file with its questions augmented, the contexts (and so the answers'
         offsets) kept: each question followed by up to N copies with words replaced, ids
-        '<id>_aug<k>', the same answers. Written atomically in the official format. subset:
-        only the questions at these indices (int [n], e.g. `tokenize.subset_indices`)."""
-        examples = _take(squad.read_squad_file(in_path), subset)
+        '<id>_aug<k>', the same answers. Written atomically in the official format. subset > 0:
+        only the questions a stage with data.train_subset=subset (train.seed=subset_seed) reads."""
+        examples = _take(squad.read_squad_file(in_path), subset, subset_seed)
         v2 = any(e.is_impossible for e in examples) or _squad_version(in_path) == "2.0"
         aug = self.augment_sentences([e.question for e in examples],
                                      [(i, 0) for i in range(len(examples))])
@@ -422,13 +422,14 @@ class Augmenter:
         n_out = sum(len(q) for q in paragraphs.values())
         return {"rows_in": len(examples), "rows_out": n_out}
 
-    def augment_conll(self, in_path: str, out_path: str, column: int = -1,
-                      subset: Optional[np.ndarray] = None) -> Dict:
+    def augment_conll(self, in_path: str, out_path: str, column: int = -1, subset: int = 0,
+                      subset_seed: int = 0) -> Dict:
         """A CoNLL file with its sentences augmented where the labels stay true: only words
         tagged O are replaced, one word for one, so every tag keeps its word's place. Written
         as 'word TAG' lines (IOB2; read with ner_column -1), each sentence followed by its
-        copies, atomically. subset: only the sentences at these indices (int [n])."""
-        sents = _take(conll.read_conll(in_path, column), subset)
+        copies, atomically. subset > 0: only the sentences a stage with that data.train_subset
+        reads (as augment_squad)."""
+        sents = _take(conll.read_conll(in_path, column), subset, subset_seed)
         texts = [" ".join(s.words) for s in sents]
         cands = self.candidates(texts)
         fs.clean_stale_temps(out_path)
@@ -444,8 +445,10 @@ class Augmenter:
         return {"rows_in": len(sents), "rows_out": n_out}
 
 
-def _take(rows: list, subset: Optional[np.ndarray]) -> list:
-    return rows if subset is None else [rows[int(i)] for i in subset]
+def _take(rows: list, n: int, seed: int) -> list:
+    """The rows a stage with data.train_subset=n reads (position_tasks.load's draw)."""
+    idx = subset_indices(len(rows), n, seed)
+    return rows if idx is None else [rows[int(i)] for i in idx]
 
 
 def _squad_version(path: str) -> str:
