@@ -1148,4 +1148,9 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from jax_tinybert.speed import malloc
+
+    # The CLI's allocator (tcmalloc where installed), before anything loads JAX: the stages run
+    # in this process, and under glibc's defaults a step re-faults its freed buffers.
+    malloc.restart_unless_set()
     sys.exit(cli())
