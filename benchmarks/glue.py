@@ -41,8 +41,9 @@ tinybert (intermediate + prediction distillation), tinybert+da (each stage one e
 augmented set, N augmented sentences per text column sized so that epoch is about the no-DA
 stage's examples, i.e. about equal compute; embedding-neighbour DA from the teacher's word
 embeddings, or MLM DA with --mlm, e.g. the export of configs/mlm_head.py), pkd, kd, labels-only (the same student on gold labels) and majority. With
-`--rows` (`--rows teacher,tinybert+da`: the DA stages without the plain ones) also minilm, minilmv2 (the intermediate stage with MiniLM's / MiniLMv2's relations of
-the teacher's last layer instead of TinyBERT's losses, then the same prediction stage) and
+`--rows` (`--rows teacher,tinybert+da`: the DA stages without the plain ones) also minilm,
+minilmv2 (the intermediate stage with MiniLM's / MiniLMv2's relations of the teacher's last
+layer instead of TinyBERT's losses, then the same prediction stage) and
 minilmv2-6heads (the same student split into 6 heads, which only MiniLMv2 can distil). Every
 student is 3 layers, d 384, initialised from the fine-tuned teacher's layers 2, 4, 6 (--init_layers;
 the intermediate stage maps student layer m to teacher layer 2m); of another teacher, 3 of its
